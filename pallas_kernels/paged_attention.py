@@ -1,0 +1,54 @@
+"""Attention of new query tokens over a paged KV cache.
+
+`paged_attention_reference` is the pure-jnp definition; a Pallas kernel with the same
+signature can be registered in `specjax.attention` (the one dispatch point).
+
+Visibility rule (cache index k, row b, new token i):
+  k < q_start[b]                                  -> visible (prefix)
+  q_start[b] <= k < q_start[b] + T                -> block_mask[b, i, k - q_start[b]]
+                                                     (causal j <= i when block_mask is None)
+  k >= kv_len[b]                                  -> never
+  sliding_window w                                -> additionally q_start[b] + i - k < w
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def visibility_mask(q_start, kv_len, S: int, T: int, block_mask=None, sliding_window=None):
+    """[B, T, S] bool mask over gathered cache entries."""
+    k_idx = jnp.arange(S, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    i = jnp.arange(T, dtype=jnp.int32)[None, :, None]  # [1, T, 1]
+    start = q_start[:, None, None]
+    rel = k_idx - start  # position of key inside the new block
+    if block_mask is None:
+        in_block = rel <= i
+    else:
+        rel_c = jnp.clip(rel, 0, T - 1)
+        in_block = jnp.take_along_axis(block_mask, jnp.broadcast_to(rel_c, block_mask.shape[:2] + (S,)), axis=2)
+    mask = jnp.where(rel < 0, True, in_block) & (k_idx < kv_len[:, None, None])
+    if sliding_window is not None:
+        mask &= (start + i - k_idx) < sliding_window
+    return mask
+
+
+def paged_attention_reference(q, k_pages, v_pages, page_table, q_start, kv_len, block_mask=None,
+                              *, sliding_window=None, scale=None):
+    """q: [B, T, H, D]; k/v_pages: [N, page_size, Hkv, D]; page_table: [B, P] int32;
+    q_start, kv_len: [B] int32; block_mask: [B, T, T] bool or None. Returns [B, T, H, D]."""
+    B, T, H, D = q.shape
+    _, ps, Hkv, _ = k_pages.shape
+    P = page_table.shape[1]
+    S = P * ps
+    G = H // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    k = k_pages[page_table].reshape(B, S, Hkv, D)  # [B, S, Hkv, D]
+    v = v_pages[page_table].reshape(B, S, Hkv, D)
+    qg = q.reshape(B, T, Hkv, G, D)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = visibility_mask(q_start, kv_len, S, T, block_mask, sliding_window)  # [B, T, S]
+    s = jnp.where(mask[:, None, None], s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, H, D).astype(q.dtype)

@@ -1,0 +1,157 @@
+"""Plain decode step time and achieved weight bandwidth (run on the GPU machine).
+
+    python scripts/bench_decode.py --shapes smollm2-135m,llama3.1-8b --batches 1,32
+
+Random bf16 weights are made on the device. The device's copy bandwidth is measured in the
+same run. "weight GB/s" = bytes of weights streamed per step / step time (the embedding
+table is not streamed unless tied, where it is the lm_head).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from specjax import decode  # noqa: E402
+from specjax.kv_cache import init_cache  # noqa: E402
+from specjax.models.llama import Llama, flat_state  # noqa: E402
+from specjax.sampling import SamplingArrays  # noqa: E402
+from specjax.shapes import shape_config  # noqa: E402
+
+
+def copy_bandwidth(gib=4.0, reps=20):
+    """Best of a few device-memory streaming kernels: bytes read + written per second."""
+    n = int(gib * 2**30) // 4
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    kernels = {
+        "f32 x*a+b": (jax.jit(lambda a: a * 1.5 + 1.0), 8 * n),
+        "f32 copy": (jax.jit(lambda a: jnp.copy(a)), 8 * n),
+        "f32 sum (read only)": (jax.jit(lambda a: jnp.sum(a)), 4 * n),
+    }
+    best = {}
+    for name, (f, nbytes) in kernels.items():
+        jax.block_until_ready(f(x))
+        t = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x))
+            t.append(time.perf_counter() - t0)
+        best[name] = nbytes / np.median(t)
+    del x
+    return max(best.values()), best
+
+
+def streamed_weight_bytes(model, cfg):
+    flat = flat_state(model)
+    total = sum(v.size * v.dtype.itemsize for v in flat.values())
+    if not cfg.tie_word_embeddings:
+        total -= flat["embed"].size * flat["embed"].dtype.itemsize
+    return total
+
+
+def bench_one(shape, batch, context, steps, max_seq_len, page_size):
+    cfg = shape_config(shape)
+    model = Llama(cfg, jnp.bfloat16, nnx.Rngs(0))
+    wbytes = streamed_weight_bytes(model, cfg)
+    fns, weights = decode.compile_steps(*nnx.split(model))
+    pages_per_slot = max_seq_len // page_size
+    num_pages = batch * pages_per_slot + 1
+    cache = init_cache(cfg, num_pages=num_pages, page_size=page_size, max_slots=batch,
+                       max_seq_len=max_seq_len, dtype=jnp.bfloat16)
+    table = 1 + np.arange(batch * pages_per_slot, dtype=np.int32).reshape(batch, pages_per_slot)
+    cache.page_table = jnp.asarray(table)
+    cache.seq_lens = jnp.full((batch,), context, jnp.int32)
+    state = decode.DecodeState(cache, jnp.ones((batch,), jnp.int32))
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    active = jnp.ones((batch,), bool)
+    samp = SamplingArrays(jnp.zeros((batch,), jnp.float32), jnp.ones((batch,), jnp.float32),
+                          jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.uint32))
+
+    def reset(state):  # keep the context length fixed across timed steps
+        c = state.cache
+        c.seq_lens = jnp.full((batch,), context, jnp.int32)
+        return state
+
+    t0 = time.perf_counter()
+    out, state = fns.decode(weights, state, slots, active, samp)
+    out.tokens.block_until_ready()
+    compile_s = time.perf_counter() - t0
+    for _ in range(3):
+        out, state = fns.decode(weights, state, slots, active, samp)
+    out.tokens.block_until_ready()
+    state = reset(state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out, state = fns.decode(weights, state, slots, active, samp)
+    out.tokens.block_until_ready()
+    step_s = (time.perf_counter() - t0) / steps
+    # host dispatch cost alone: time to enqueue (not wait for) the steps
+    state = reset(state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out, state = fns.decode(weights, state, slots, active, samp)
+    dispatch_s = (time.perf_counter() - t0) / steps
+    out.tokens.block_until_ready()
+    # device-only step time: `loop` steps inside one program (no per-step host dispatch)
+    loop = 16
+    state = reset(state)
+    toks, state = fns.decode_many(weights, state, slots, active, samp, num_steps=loop)
+    toks.block_until_ready()
+    reps = max(1, steps // loop)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        state = reset(state)
+        toks, state = fns.decode_many(weights, state, slots, active, samp, num_steps=loop)
+    toks.block_until_ready()
+    loop_s = (time.perf_counter() - t0) / (reps * loop)
+    del state, weights, model
+    return dict(shape=shape, batch=batch, context=context, step_ms=step_s * 1e3, dispatch_ms=dispatch_s * 1e3,
+                loop_step_ms=loop_s * 1e3, loop_weight_gbps=wbytes / loop_s / 1e9,
+                weight_gb=wbytes / 1e9, weight_gbps=wbytes / step_s / 1e9, tokens_per_s=batch / step_s,
+                compile_s=compile_s)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="smollm2-135m,llama3.1-8b")
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    bw, kinds = copy_bandwidth()
+    print("copy bandwidth (GB/s):", {k: round(v / 1e9) for k, v in kinds.items()}, flush=True)
+    rows = []
+    for shape in a.shapes.split(","):
+        for b in [int(x) for x in a.batches.split(",")]:
+            r = bench_one(shape, b, a.context, a.steps, a.max_seq_len, a.page_size)
+            r["pct_copy_bw"] = 100 * r["weight_gbps"] * 1e9 / bw
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print("| shape | batch | step ms | dispatch ms | weights GB | weight GB/s | % copy BW | tok/s "
+          "| in-program step ms | in-program % copy BW |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['batch']} | {r['step_ms']:.3f} | {r['dispatch_ms']:.3f} | {r['weight_gb']:.2f} "
+              f"| {r['weight_gbps']:.0f} | {r['pct_copy_bw']:.1f} | {r['tokens_per_s']:.0f} "
+              f"| {r['loop_step_ms']:.3f} | {100 * r['loop_weight_gbps'] * 1e9 / bw:.1f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(copy_gbps=bw / 1e9, copy_kinds=kinds, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

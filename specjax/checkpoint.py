@@ -1,0 +1,186 @@
+"""specjax model directories: write and read converted checkpoints.
+
+A model directory holds
+  config.json       HF-style config (ModelConfig.from_hf_dict accepts it)
+  params/           orbax checkpoint of the flat parameters {name from param_specs: array}
+  specjax.json      format version, dtype, source; written last, so it marks a complete directory
+  tokenizer.json, tokenizer_config.json, ...   written by the converters
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.config import ModelConfig
+from specjax.models.llama import Llama, param_specs
+
+FORMAT_VERSION = 1
+MARKER = "specjax.json"
+IN_PROGRESS = ".specjax-incomplete"  # exists while a directory is being written
+DTYPES: dict[str, Any] = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+
+class CheckpointError(ValueError):
+    """A model directory that cannot be written or read."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """'bfloat16' | 'float32' | 'float16' from a string or a numpy/jax dtype."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in DTYPES:
+        raise CheckpointError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    return name
+
+
+def prepare_out_dir(out_dir: str | Path) -> Path:
+    """Make out_dir ready to be (re)written. Refuses a non-empty directory that is not ours."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"output path {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not any((out / n).exists() for n in (MARKER, IN_PROGRESS, "params")):
+            raise CheckpointError(f"refusing to overwrite {out}: non-empty and not a specjax model directory")
+        (out / MARKER).unlink(missing_ok=True)  # incomplete until rewritten
+        shutil.rmtree(out / "params", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / IN_PROGRESS).touch()
+    return out
+
+
+def save_model_dir(out_dir: str | Path, flat: dict[str, np.ndarray], hf_config: dict, dtype: str,
+                   source: str = "") -> Path:
+    """Write config.json, params/ (orbax, arrays cast to dtype) and, last, specjax.json."""
+    import orbax.checkpoint as ocp
+
+    name = dtype_name(dtype)
+    cfg = ModelConfig.from_hf_dict(hf_config)
+    _check_flat(cfg, {k: tuple(v.shape) for k, v in flat.items()}, what="parameters to save")
+    out = prepare_out_dir(out_dir)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    np_dtype = np.dtype(DTYPES[name])
+    params = {k: np.asarray(v).astype(np_dtype, copy=False) for k, v in flat.items()}
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save((out / "params").absolute(), params)
+    ckpt.wait_until_finished()
+    ckpt.close()
+    meta = {"format_version": FORMAT_VERSION, "dtype": name, "source": str(source),
+            "architecture": cfg.architecture, "num_params": int(sum(v.size for v in params.values()))}
+    (out / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    (out / IN_PROGRESS).unlink(missing_ok=True)
+    return out
+
+
+def is_complete(model_dir: str | Path) -> bool:
+    d = Path(model_dir)
+    return ((d / MARKER).is_file() and not (d / IN_PROGRESS).exists() and (d / "config.json").is_file()
+            and (d / "params").is_dir())
+
+
+def read_meta(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / MARKER
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise CheckpointError(f"model directory {d} does not exist")
+    if not (d / "config.json").is_file():
+        raise CheckpointError(f"model directory {d} has no config.json")
+    return ModelConfig.from_file(d / "config.json")
+
+
+def load_flat(model_dir: str | Path, dtype: Any = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(cfg, {name: host array in dtype}) restored from model_dir/params, names/shapes validated."""
+    import orbax.checkpoint as ocp
+
+    d = Path(model_dir)
+    cfg = load_config(d)
+    meta = read_meta(d)
+    params_dir = (d / "params").absolute()
+    if not params_dir.is_dir():
+        raise CheckpointError(f"model directory {d} has no params/ checkpoint")
+    ckpt = ocp.StandardCheckpointer()
+    try:
+        tree = ckpt.metadata(params_dir).item_metadata.tree
+        shapes = {k: tuple(v.shape) for k, v in tree.items()}
+        stored = {k: np.dtype(v.dtype) for k, v in tree.items()}
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for broken directories
+        raise CheckpointError(f"{params_dir} is missing or corrupt: {type(e).__name__}: {e}") from e
+    _check_flat(cfg, shapes, what=f"checkpoint {params_dir}")
+    name = dtype_name(dtype) if dtype is not None else meta.get("dtype") or next(iter(stored.values())).name
+    target_dtype = np.dtype(DTYPES[dtype_name(name)])
+    target = {k: jax.ShapeDtypeStruct(s, target_dtype) for k, s in shapes.items()}
+    try:
+        flat = ckpt.restore(params_dir, target)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{params_dir} is corrupt, cannot restore: {type(e).__name__}: {e}") from e
+    finally:
+        ckpt.close()
+    return cfg, dict(flat)
+
+
+def load_model(model_dir: str | Path, dtype: Any = None) -> tuple[ModelConfig, Llama]:
+    """(cfg, Llama) with parameters restored in dtype (default: the checkpoint's dtype).
+
+    The model is built abstractly (no random init) and filled from the checkpoint."""
+    cfg, flat = load_flat(model_dir, dtype)
+    jdtype = DTYPES[dtype_name(next(iter(flat.values())).dtype)]
+    abstract = nnx.eval_shape(lambda: Llama(cfg, jdtype, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    if jax.tree_util.tree_leaves(rest):
+        raise CheckpointError("model has non-parameter state that a checkpoint cannot fill")
+    pure = nnx.to_pure_dict(params)
+
+    def fill(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                fill(value, name + ".")
+            else:
+                node[key] = jnp.asarray(flat[name])  # names/shapes checked against param_specs
+    fill(pure, "")
+    nnx.replace_by_pure_dict(params, pure)
+    return cfg, nnx.merge(graphdef, params, rest)
+
+
+def load_tokenizer(model_dir: str | Path):
+    """transformers PreTrainedTokenizerFast from model_dir's tokenizer.json/tokenizer_config.json."""
+    from transformers import PreTrainedTokenizerFast
+
+    d = Path(model_dir)
+    if not (d / "tokenizer.json").is_file():
+        raise CheckpointError(f"model directory {d} has no tokenizer.json")
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(d.absolute()), local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"cannot load the tokenizer of {d}: {type(e).__name__}: {e}") from e
+
+
+def _check_flat(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], what: str) -> None:
+    specs = param_specs(cfg)
+    missing = sorted(set(specs) - set(shapes))
+    extra = sorted(set(shapes) - set(specs))
+    bad = [f"{k}: {shapes[k]} != expected {specs[k][0]}" for k in sorted(set(specs) & set(shapes))
+           if tuple(shapes[k]) != tuple(specs[k][0])]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} parameter(s): {', '.join(missing[:6])}")
+    if extra:
+        problems.append(f"unexpected {len(extra)} parameter(s): {', '.join(extra[:6])}")
+    if bad:
+        problems.append(f"shape mismatch: {'; '.join(bad[:6])}")
+    if problems:
+        raise CheckpointError(f"{what} does not match the config ({cfg.architecture}): " + " | ".join(problems))

@@ -1,0 +1,131 @@
+"""`specjax` command line: thin wrappers over the library."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _read_prompts(path: str) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{n}: not valid JSON ({e})")
+            if not isinstance(row, dict) or not ({"prompt", "turns", "prompt_ids"} & row.keys()):
+                raise SystemExit(f"{path}:{n}: a line needs \"prompt\", \"turns\" or \"prompt_ids\"")
+            rows.append(row)
+    return rows
+
+
+def _prepare(row: dict, llm, chat: bool):
+    """-> (prompt for generate, prompt text for the output, keys used)."""
+    if "prompt_ids" in row:
+        ids = row["prompt_ids"]
+        return ids, llm.tokenizer.decode(ids), {"prompt_ids"}
+    if "prompt" in row:
+        text, used = row["prompt"], {"prompt"}
+    else:
+        turns = row["turns"]
+        if not turns or not isinstance(turns[0], str):
+            raise SystemExit("a \"turns\" line needs at least one string turn")
+        text, used = turns[0], {"turns"}
+    prompt = llm.apply_chat_template([{"role": "user", "content": text}]) if chat else text
+    return prompt, text, used
+
+
+def cmd_generate(a) -> int:
+    from specjax import LLM, SamplingParams
+    from specjax.sampling_params import SamplingParamsError
+    if a.prompt is None and a.prompts is None:
+        raise SystemExit("give --prompt TEXT or --prompts FILE.jsonl")
+    rows = [{"prompt": a.prompt}] if a.prompt is not None else _read_prompts(a.prompts)
+    try:
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                                top_k=a.top_k, seed=a.seed)
+    except SamplingParamsError as e:
+        raise SystemExit(str(e))
+    llm = LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len)
+    chat = a.chat if a.chat is not None else bool(llm.tokenizer.chat_template)
+    prepared = [_prepare(r, llm, chat) for r in rows]
+    outs = llm.generate([p for p, _, _ in prepared], params)
+    if a.output:
+        with open(a.output, "w") as f:
+            for row, (_, text, used), o in zip(rows, prepared, outs):
+                rec = {"prompt": text, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+                rec.update({k: v for k, v in row.items() if k not in used and k not in rec})
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    else:
+        for (_, text, _), o in zip(prepared, outs):
+            if len(outs) > 1:
+                print(f"### {text}")
+            print(o.text)
+    return 0
+
+
+def cmd_convert(a) -> int:
+    from specjax.convert import convert
+    convert(a.src, a.out, dtype=a.dtype)
+    print(f"converted {a.src} -> {a.out}")
+    return 0
+
+
+def cmd_download_default(a) -> int:
+    from specjax.default_model import download_default
+    path = download_default(force=a.force)
+    print(f"default model ready at {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specjax", description="Speculative decoding for LLMs in JAX.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text")
+    g.add_argument("--model", default=None, help="converted model dir (default: SmolLM2-135M-Instruct)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt")
+    src.add_argument("--prompts", help="JSONL: {\"prompt\"} | {\"turns\": [...]} | {\"prompt_ids\": [...]}")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    g.add_argument("--max-batch", type=int, default=8)
+    g.add_argument("--max-seq-len", type=int, default=2048)
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="apply the chat template (default when the model has one)")
+    mode.add_argument("--raw", dest="chat", action="store_false", help="use prompts as they are")
+    g.add_argument("--output", help="write one JSON object per prompt to this JSONL file")
+    g.set_defaults(fn=cmd_generate)
+
+    c = sub.add_parser("convert", help="convert an HF folder or a .gguf file to a specjax checkpoint")
+    c.add_argument("src")
+    c.add_argument("out")
+    c.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    c.set_defaults(fn=cmd_convert)
+
+    d = sub.add_parser("download-default", help="fetch and convert SmolLM2-135M-Instruct")
+    d.add_argument("--force", action="store_true")
+    d.set_defaults(fn=cmd_download_default)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"specjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Plain (non-speculative) prefill and decode steps: pure functions under jax.jit.
+
+Every step is f(inputs, params, state, cfg) -> (outputs, state); `state` (KV cache and the
+last token of each slot) is donated and lives on the device, indexed by slot.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax import sampling
+from specjax.kv_cache import KVCache, step_meta
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    cache: KVCache
+    last_tokens: jax.Array  # [max_slots] int32: last sampled token of each slot
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOut:
+    tokens: jax.Array  # [B] int32 sampled tokens
+    logprob: jax.Array | None = None  # [B] float32 log p(token)
+    top_logprobs: jax.Array | None = None  # [B, K] float32
+    top_ids: jax.Array | None = None  # [B, K] int32
+
+
+def _finish(model, h_last, samp, positions, want_logprobs):
+    logits = model.logits(h_last[:, None, :])[:, 0]  # [B, V] float32
+    tokens = sampling.sample(logits, samp, positions)
+    if not want_logprobs:
+        return StepOut(tokens)
+    return StepOut(tokens, *sampling.token_logprobs(logits, tokens))
+
+
+def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, want_logprobs=False):
+    """Prefill ragged prompts from position 0.
+
+    tokens: [B, T] int32 (right-padded); lens: [B] int32 (0 for padding rows);
+    slots: [B] int32 (padding rows may hold any index >= max_slots). Returns (StepOut, state).
+    """
+    model = nnx.merge(graphdef, params)
+    B, T = tokens.shape
+    cache = state.cache
+    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(0, mode="drop"))
+    safe_slots = jnp.clip(slots, 0, cache.seq_lens.shape[0] - 1)
+    meta = step_meta(cache, safe_slots, lens, T)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h, cache, _ = model(tokens, positions, cache, meta)
+    last = jnp.clip(lens - 1, 0, T - 1)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, E]
+    out = _finish(model, h_last, samp, lens, want_logprobs)
+    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(lens, mode="drop"))
+    last_tokens = state.last_tokens.at[slots].set(out.tokens, mode="drop")
+    return out, DecodeState(cache, last_tokens)
+
+
+def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logprobs=False):
+    """One decode step for the rows `slots` [B]: feeds each slot's last token, appends its K/V,
+    samples the next token. Inactive rows ([B] bool) write to the trash page and do not advance."""
+    model = nnx.merge(graphdef, params)
+    cache = state.cache
+    num_new = active.astype(jnp.int32)
+    meta = step_meta(cache, slots, num_new, 1)
+    positions = cache.seq_lens[slots]  # [B]
+    tokens = state.last_tokens[slots]
+    h, cache, _ = model(tokens[:, None], positions[:, None], cache, meta)
+    out = _finish(model, h[:, 0], samp, positions + 1, want_logprobs)
+    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].add(num_new))
+    last_tokens = state.last_tokens.at[slots].set(jnp.where(active, out.tokens, tokens))
+    return out, DecodeState(cache, last_tokens)
+
+
+def decode_many(graphdef, params, state: DecodeState, slots, active, samp, num_steps: int):
+    """num_steps decode steps in one program (greedy/sampled, no logprobs). -> tokens [num_steps, B]."""
+    def body(state, _):
+        out, state = decode(graphdef, params, state, slots, active, samp)
+        return state, out.tokens
+    state, tokens = jax.lax.scan(body, state, None, length=num_steps)
+    return tokens, state
+
+
+class Steps(NamedTuple):
+    """The jitted steps of one model graph. Weights are passed as a flat list of arrays
+    (cheap to dispatch); the graph definition is closed over, not hashed per call."""
+    prefill: Callable
+    decode: Callable
+    decode_many: Callable
+
+
+def compile_steps(graphdef, params) -> tuple[Steps, list]:
+    """-> (Steps, weights): call steps.decode(weights, state, ...)."""
+    leaves, treedef = jax.tree.flatten(params)
+
+    def bind(fn):
+        def run(weights, *args, **kw):
+            return fn(graphdef, jax.tree.unflatten(treedef, weights), *args, **kw)
+        return run
+
+    jit = functools.partial(jax.jit, donate_argnames=("state",))
+    return Steps(
+        prefill=jit(bind(prefill), static_argnames=("want_logprobs",)),
+        decode=jit(bind(decode), static_argnames=("want_logprobs",)),
+        decode_many=jit(bind(decode_many), static_argnames=("num_steps",)),
+    ), leaves

@@ -1,0 +1,139 @@
+"""Continuous-batching generation loop over slots (plain decoding).
+
+The device owns the KV cache, sequence lengths and each slot's last token; the host keeps the
+request bookkeeping, the page allocator and reads each step's sampled tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import decode
+from specjax.kv_cache import PageAllocator, init_cache
+from specjax.request import Request
+from specjax.sampling import SamplingArrays
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions:
+    page_size: int = 16
+    max_seq_len: int = 2048
+    num_pages: int | None = None  # default: every slot can reach max_seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchOptions:
+    max_batch: int = 8
+    max_prefill_tokens: int = 8192  # rows * padded length of one prefill call
+
+
+def _bucket(n: int, lo: int, hi: int) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi) if hi >= n else b
+
+
+class Engine:
+    def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype):
+        self.cfg = cfg
+        self.cache_opts, self.batch_opts = cache_opts, batch_opts
+        self.steps, self.weights = decode.compile_steps(*nnx.split(model))
+        pages_per_slot = -(-cache_opts.max_seq_len // cache_opts.page_size)
+        num_pages = cache_opts.num_pages or batch_opts.max_batch * pages_per_slot + 1
+        self.alloc = PageAllocator(num_pages, cache_opts.page_size, pages_per_slot, batch_opts.max_batch)
+        cache = init_cache(cfg, num_pages=num_pages, page_size=cache_opts.page_size,
+                           max_slots=batch_opts.max_batch, max_seq_len=cache_opts.max_seq_len, dtype=dtype)
+        self.state = decode.DecodeState(cache, jnp.zeros((batch_opts.max_batch,), jnp.int32))
+        self.slots: list[Request | None] = [None] * batch_opts.max_batch
+        self.lens = np.zeros(batch_opts.max_batch, np.int64)  # host mirror of the device seq_lens
+
+    # -- host helpers -------------------------------------------------------------------
+    def _push_page_table(self):
+        if self.alloc.dirty:
+            cache = dataclasses.replace(self.state.cache, page_table=jnp.asarray(self.alloc.table))
+            self.state = dataclasses.replace(self.state, cache=cache)
+            self.alloc.dirty = False
+
+    def _samp(self, reqs: list[Request | None]) -> SamplingArrays:
+        p = [r.params if r is not None else None for r in reqs]
+        return SamplingArrays(
+            temperature=jnp.asarray([x.temperature if x else 0.0 for x in p], jnp.float32),
+            top_p=jnp.asarray([x.top_p if x else 1.0 for x in p], jnp.float32),
+            top_k=jnp.asarray([x.top_k if x else 0 for x in p], jnp.int32),
+            seed=jnp.asarray([r.seed if r else 0 for r in reqs], jnp.uint32),
+        )
+
+    def _deliver(self, out: decode.StepOut, rows: list[tuple[int, Request]]):
+        toks = np.asarray(out.tokens)
+        lp = None if out.logprob is None else (np.asarray(out.logprob), np.asarray(out.top_logprobs),
+                                               np.asarray(out.top_ids))
+        for b, req in rows:
+            top = None if lp is None else list(zip(lp[2][b].tolist(), lp[1][b].tolist()))
+            if req.append(int(toks[b]), None if lp is None else float(lp[0][b]), top):
+                slot = self.slots.index(req)
+                self.slots[slot] = None
+                self.alloc.release(slot)
+
+    # -- steps -----------------------------------------------------------------------------
+    def _admit(self, queue: deque):
+        free = [i for i, r in enumerate(self.slots) if r is None]
+        group: list[tuple[int, Request]] = []
+        longest = 0
+        while queue and free:
+            req = queue[0]
+            n = len(req.prompt_ids)
+            T = _bucket(max(longest, n), 16, max(16, self.cache_opts.max_seq_len))
+            if group and (len(group) + 1) * T > self.batch_opts.max_prefill_tokens:
+                break
+            if not self.alloc.ensure(free[0], n + 1):
+                break
+            queue.popleft()
+            slot = free.pop(0)
+            self.slots[slot] = req
+            self.lens[slot] = n
+            group.append((slot, req))
+            longest = max(longest, n)
+        if not group:
+            return
+        self._push_page_table()
+        T = _bucket(longest, 16, max(16, self.cache_opts.max_seq_len))
+        B = _bucket(len(group), 1, self.batch_opts.max_batch)
+        tokens = np.zeros((B, T), np.int32)
+        lens = np.zeros(B, np.int32)
+        slots = np.full(B, self.batch_opts.max_batch, np.int32)  # padding rows: out of range
+        for b, (slot, req) in enumerate(group):
+            tokens[b, : len(req.prompt_ids)] = req.prompt_ids
+            lens[b], slots[b] = len(req.prompt_ids), slot
+        reqs = [r for _, r in group] + [None] * (B - len(group))
+        want_lp = any(r.logprobs is not None for _, r in group)
+        out, self.state = self.steps.prefill(self.weights, self.state, jnp.asarray(tokens),
+                                         jnp.asarray(lens), jnp.asarray(slots), self._samp(reqs), want_logprobs=want_lp)
+        self._deliver(out, [(b, r) for b, (_, r) in enumerate(group)])
+
+    def _decode(self):
+        rows = [(i, r) for i, r in enumerate(self.slots) if r is not None]
+        for i, _ in rows:
+            if not self.alloc.ensure(i, int(self.lens[i]) + 1):
+                raise RuntimeError("out of KV pages: raise num_pages or lower max_batch")
+        self._push_page_table()
+        active = np.array([r is not None for r in self.slots])
+        want_lp = any(r.logprobs is not None for _, r in rows)
+        B = self.batch_opts.max_batch
+        out, self.state = self.steps.decode(self.weights, self.state, jnp.arange(B, dtype=jnp.int32),
+                                        jnp.asarray(active), self._samp(self.slots), want_logprobs=want_lp)
+        self.lens[active] += 1
+        self._deliver(out, rows)
+
+    def run(self, requests: list[Request]) -> None:
+        """Run requests to completion (continuous batching: freed slots admit queued requests)."""
+        queue = deque(requests)
+        while queue or any(r is not None for r in self.slots):
+            self._admit(queue)
+            if any(r is not None for r in self.slots):
+                self._decode()

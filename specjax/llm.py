@@ -1,0 +1,84 @@
+"""The user-facing Python API: `LLM(...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from specjax.engine import BatchOptions, CacheOptions, Engine
+from specjax.request import Request, RequestOutput
+from specjax.sampling_params import SamplingParams
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be served (empty, too long, bad token ids)."""
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, dtype: str = "bfloat16", page_size: int = 16,
+                 max_batch: int = 8, max_seq_len: int = 2048, num_pages: int | None = None, seed: int = 0):
+        from specjax.checkpoint import load_model, load_tokenizer
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if model is None:
+            from specjax.default_model import ensure_default
+            model = ensure_default()
+        self.model_dir = Path(model)
+        self.cfg, module = load_model(self.model_dir, dtype)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.max_seq_len = max_seq_len
+        self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages),
+                             BatchOptions(max_batch), DTYPES[dtype])
+        self._rng = random.Random(seed)
+        self._next_id = 0
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def _request(self, prompt, params: SamplingParams, index: int) -> Request:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            text, ids = None, list(prompt)
+            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size for t in ids):
+                raise PromptError(f"prompt {index}: token ids must be integers in [0, {self.cfg.vocab_size})")
+        if not ids:
+            raise PromptError(f"prompt {index} is empty")
+        if len(ids) >= self.max_seq_len:
+            raise PromptError(f"prompt {index} has {len(ids)} tokens; max_seq_len={self.max_seq_len} leaves "
+                              f"no room to generate (prompt must be shorter than max_seq_len)")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        self._next_id += 1
+        return Request(self._next_id - 1, text, ids, params, self.tokenizer, self.eos_ids, self.max_seq_len,
+                       seed & 0xFFFFFFFF)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        reqs = [self._request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        self.engine.run(reqs)
+        return [r.output() for r in reqs]
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"the model at {self.model_dir} has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def chat(self, messages, params: SamplingParams | None = None):
+        """messages: one conversation (list of {"role", "content"}) or a list of them."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        convs = [messages] if single else messages
+        outs = self.generate([self.apply_chat_template(c) for c in convs], params)
+        return outs[0] if single else outs

@@ -1,0 +1,64 @@
+"""On-device token sampling: greedy, temperature, top-k, top-p, with per-row parameters.
+
+Randomness is keyed by (request seed, sequence position), so a request samples the same
+tokens whatever batch it runs in.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.sampling_params import MAX_LOGPROBS
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_p: jax.Array  # [B] float32
+    top_k: jax.Array  # [B] int32, 0 = off
+    seed: jax.Array  # [B] uint32
+
+
+def filtered_logits(logits, temperature, top_p, top_k):
+    """Temperature, top-k and top-p applied to logits [B, V] (float32).
+    Returns (sorted masked logits [B, V], their token ids [B, V])."""
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = logits / t
+    order = jnp.argsort(-scaled, axis=-1)  # [B, V] descending
+    vals = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vals.shape[-1], dtype=jnp.int32)[None, :]
+    vals = jnp.where((top_k[:, None] > 0) & (rank >= top_k[:, None]), -jnp.inf, vals)
+    probs = jax.nn.softmax(vals, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
+    vals = jnp.where((before >= top_p[:, None]) & (rank > 0), -jnp.inf, vals)
+    return vals, order
+
+
+def _row_key(seed, position):
+    return jax.random.fold_in(jax.random.key(seed), position)
+
+
+def sample(logits, samp: SamplingArrays, positions):
+    """logits: [B, V] float32; positions: [B] int32 (unique per token of a request). -> [B] int32."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def stochastic(_):
+        vals, order = filtered_logits(logits, samp.temperature, samp.top_p, samp.top_k)
+        keys = jax.vmap(_row_key)(samp.seed, positions)
+        pick = jax.vmap(jax.random.categorical)(keys, vals)  # [B] index into sorted order
+        tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jnp.where(samp.temperature > 0, tok, greedy)
+
+    return jax.lax.cond(jnp.any(samp.temperature > 0), stochastic, lambda _: greedy, None)
+
+
+def token_logprobs(logits, tokens):
+    """Log-probabilities of the model's (unscaled) distribution: the chosen token's [B] and
+    the top MAX_LOGPROBS [B, K] values and ids."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top_vals, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+    return chosen, top_vals, top_ids.astype(jnp.int32)
