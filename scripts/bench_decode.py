@@ -51,6 +51,26 @@ def copy_bandwidth(gib=4.0, reps=20):
     return max(best.values()), best
 
 
+def launch_count(compiled) -> int:
+    """Instructions of the optimized entry computation that launch work (kernels, library calls)."""
+    text = compiled.as_text()
+    if os.environ.get("BENCH_HLO_DIR"):
+        Path(os.environ["BENCH_HLO_DIR"], f"decode_{len(text)}.hlo.txt").write_text(text)
+    entry = text[text.index("ENTRY"):]
+    entry = entry[: entry.index("\n}")]
+    skip = ("parameter(", "tuple(", "get-tuple-element(", "bitcast(", "constant(", "ROOT ")
+    ops = []
+    for line in entry.splitlines()[1:]:
+        if "=" not in line or any(s in line for s in skip):
+            continue
+        head = line.split("=", 1)[1].split("(")[0].split()
+        ops.append(head[-1] if head else "?")
+    if os.environ.get("BENCH_HLO_BREAKDOWN"):
+        from collections import Counter
+        print("launches by op:", Counter(ops).most_common(12), flush=True)
+    return len(ops)
+
+
 def streamed_weight_bytes(model, cfg):
     flat = flat_state(model)
     total = sum(v.size * v.dtype.itemsize for v in flat.values())
@@ -83,40 +103,41 @@ def bench_one(shape, batch, context, steps, max_seq_len, page_size):
         return state
 
     t0 = time.perf_counter()
-    out, state = fns.decode(weights, state, slots, active, samp)
+    out, state = fns.decode(weights, state, slots, active, samp, stochastic=False)
     out.tokens.block_until_ready()
     compile_s = time.perf_counter() - t0
+    kernels = launch_count(fns.decode.lower(weights, state, slots, active, samp, stochastic=False).compile())
     for _ in range(3):
-        out, state = fns.decode(weights, state, slots, active, samp)
+        out, state = fns.decode(weights, state, slots, active, samp, stochastic=False)
     out.tokens.block_until_ready()
     state = reset(state)
     t0 = time.perf_counter()
     for _ in range(steps):
-        out, state = fns.decode(weights, state, slots, active, samp)
+        out, state = fns.decode(weights, state, slots, active, samp, stochastic=False)
     out.tokens.block_until_ready()
     step_s = (time.perf_counter() - t0) / steps
     # host dispatch cost alone: time to enqueue (not wait for) the steps
     state = reset(state)
     t0 = time.perf_counter()
     for _ in range(steps):
-        out, state = fns.decode(weights, state, slots, active, samp)
+        out, state = fns.decode(weights, state, slots, active, samp, stochastic=False)
     dispatch_s = (time.perf_counter() - t0) / steps
     out.tokens.block_until_ready()
     # device-only step time: `loop` steps inside one program (no per-step host dispatch)
     loop = 16
     state = reset(state)
-    toks, state = fns.decode_many(weights, state, slots, active, samp, num_steps=loop)
-    toks.block_until_ready()
+    toks, state = fns.decode_many(weights, state, slots, active, samp, num_steps=loop, stochastic=False)
+    toks.tokens.block_until_ready()
     reps = max(1, steps // loop)
     t0 = time.perf_counter()
     for _ in range(reps):
         state = reset(state)
-        toks, state = fns.decode_many(weights, state, slots, active, samp, num_steps=loop)
-    toks.block_until_ready()
+        toks, state = fns.decode_many(weights, state, slots, active, samp, num_steps=loop, stochastic=False)
+    toks.tokens.block_until_ready()
     loop_s = (time.perf_counter() - t0) / (reps * loop)
     del state, weights, model
     return dict(shape=shape, batch=batch, context=context, step_ms=step_s * 1e3, dispatch_ms=dispatch_s * 1e3,
-                loop_step_ms=loop_s * 1e3, loop_weight_gbps=wbytes / loop_s / 1e9,
+                kernels=kernels, loop_step_ms=loop_s * 1e3, loop_weight_gbps=wbytes / loop_s / 1e9,
                 weight_gb=wbytes / 1e9, weight_gbps=wbytes / step_s / 1e9, tokens_per_s=batch / step_s,
                 compile_s=compile_s)
 
@@ -143,12 +164,12 @@ def main():
             print(json.dumps(r), flush=True)
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print("| shape | batch | step ms | dispatch ms | weights GB | weight GB/s | % copy BW | tok/s "
-          "| in-program step ms | in-program % copy BW |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| in-program step ms | in-program % copy BW | launches/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['batch']} | {r['step_ms']:.3f} | {r['dispatch_ms']:.3f} | {r['weight_gb']:.2f} "
               f"| {r['weight_gbps']:.0f} | {r['pct_copy_bw']:.1f} | {r['tokens_per_s']:.0f} "
-              f"| {r['loop_step_ms']:.3f} | {100 * r['loop_weight_gbps'] * 1e9 / bw:.1f} |")
+              f"| {r['loop_step_ms']:.3f} | {100 * r['loop_weight_gbps'] * 1e9 / bw:.1f} | {r['kernels']} |")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(copy_gbps=bw / 1e9, copy_kinds=kinds, rows=rows), indent=1))
 

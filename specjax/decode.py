@@ -33,15 +33,16 @@ class StepOut:
     top_ids: jax.Array | None = None  # [B, K] int32
 
 
-def _finish(model, h_last, samp, positions, want_logprobs):
+def _finish(model, h_last, samp, positions, want_logprobs, stochastic):
     logits = model.logits(h_last[:, None, :])[:, 0]  # [B, V] float32
-    tokens = sampling.sample(logits, samp, positions)
+    tokens = sampling.sample(logits, samp, positions, stochastic)
     if not want_logprobs:
         return StepOut(tokens)
     return StepOut(tokens, *sampling.token_logprobs(logits, tokens))
 
 
-def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, want_logprobs=False):
+def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, want_logprobs=False,
+            stochastic=True):
     """Prefill ragged prompts from position 0.
 
     tokens: [B, T] int32 (right-padded); lens: [B] int32 (0 for padding rows);
@@ -57,13 +58,13 @@ def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, wan
     h, cache, _ = model(tokens, positions, cache, meta)
     last = jnp.clip(lens - 1, 0, T - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, E]
-    out = _finish(model, h_last, samp, lens, want_logprobs)
+    out = _finish(model, h_last, samp, lens, want_logprobs, stochastic)
     cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(lens, mode="drop"))
     last_tokens = state.last_tokens.at[slots].set(out.tokens, mode="drop")
     return out, DecodeState(cache, last_tokens)
 
 
-def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logprobs=False):
+def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logprobs=False, stochastic=True):
     """One decode step for the rows `slots` [B]: feeds each slot's last token, appends its K/V,
     samples the next token. Inactive rows ([B] bool) write to the trash page and do not advance."""
     model = nnx.merge(graphdef, params)
@@ -73,19 +74,20 @@ def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logpr
     positions = cache.seq_lens[slots]  # [B]
     tokens = state.last_tokens[slots]
     h, cache, _ = model(tokens[:, None], positions[:, None], cache, meta)
-    out = _finish(model, h[:, 0], samp, positions + 1, want_logprobs)
+    out = _finish(model, h[:, 0], samp, positions + 1, want_logprobs, stochastic)
     cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].add(num_new))
     last_tokens = state.last_tokens.at[slots].set(jnp.where(active, out.tokens, tokens))
     return out, DecodeState(cache, last_tokens)
 
 
-def decode_many(graphdef, params, state: DecodeState, slots, active, samp, num_steps: int):
-    """num_steps decode steps in one program (greedy/sampled, no logprobs). -> tokens [num_steps, B]."""
+def decode_many(graphdef, params, state: DecodeState, slots, active, samp, num_steps: int,
+                want_logprobs=False, stochastic=True):
+    """num_steps decode steps in one program (one dispatch). -> (StepOut with [num_steps, B] fields, state)."""
     def body(state, _):
-        out, state = decode(graphdef, params, state, slots, active, samp)
-        return state, out.tokens
-    state, tokens = jax.lax.scan(body, state, None, length=num_steps)
-    return tokens, state
+        out, state = decode(graphdef, params, state, slots, active, samp, want_logprobs, stochastic)
+        return state, out
+    state, outs = jax.lax.scan(body, state, None, length=num_steps)
+    return outs, state
 
 
 class Steps(NamedTuple):
@@ -107,7 +109,7 @@ def compile_steps(graphdef, params) -> tuple[Steps, list]:
 
     jit = functools.partial(jax.jit, donate_argnames=("state",))
     return Steps(
-        prefill=jit(bind(prefill), static_argnames=("want_logprobs",)),
-        decode=jit(bind(decode), static_argnames=("want_logprobs",)),
-        decode_many=jit(bind(decode_many), static_argnames=("num_steps",)),
+        prefill=jit(bind(prefill), static_argnames=("want_logprobs", "stochastic")),
+        decode=jit(bind(decode), static_argnames=("want_logprobs", "stochastic")),
+        decode_many=jit(bind(decode_many), static_argnames=("num_steps", "want_logprobs", "stochastic")),
     ), leaves

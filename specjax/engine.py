@@ -30,6 +30,7 @@ class CacheOptions:
 class BatchOptions:
     max_batch: int = 8
     max_prefill_tokens: int = 8192  # rows * padded length of one prefill call
+    steps_per_call: int = 8  # decode steps per dispatch; tokens past a request's stop are dropped
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
@@ -37,6 +38,11 @@ def _bucket(n: int, lo: int, hi: int) -> int:
     while b < n:
         b *= 2
     return min(b, hi) if hi >= n else b
+
+
+def _stochastic(reqs) -> bool:
+    """Whether any row samples (static: greedy-only batches compile without the sort)."""
+    return any(r is not None and r.params.temperature > 0 for r in reqs)
 
 
 class Engine:
@@ -69,16 +75,20 @@ class Engine:
             seed=jnp.asarray([r.seed if r else 0 for r in reqs], jnp.uint32),
         )
 
-    def _deliver(self, out: decode.StepOut, rows: list[tuple[int, Request]]):
-        toks = np.asarray(out.tokens)
-        lp = None if out.logprob is None else (np.asarray(out.logprob), np.asarray(out.top_logprobs),
-                                               np.asarray(out.top_ids))
+    def _deliver(self, out: decode.StepOut, rows: list[tuple[int, Request]], stacked: bool):
+        """out fields are [B, ...] or, stacked, [K, B, ...] (K steps). Tokens computed after a
+        request finished are dropped."""
+        host = [None if x is None else np.asarray(x) for x in (out.tokens, out.logprob, out.top_logprobs,
+                                                               out.top_ids)]
+        toks, lp, top_lp, top_ids = [x if x is None or stacked else x[None] for x in host]
         for b, req in rows:
-            top = None if lp is None else list(zip(lp[2][b].tolist(), lp[1][b].tolist()))
-            if req.append(int(toks[b]), None if lp is None else float(lp[0][b]), top):
-                slot = self.slots.index(req)
-                self.slots[slot] = None
-                self.alloc.release(slot)
+            for k in range(toks.shape[0]):
+                top = None if lp is None else list(zip(top_ids[k, b].tolist(), top_lp[k, b].tolist()))
+                if req.append(int(toks[k, b]), None if lp is None else float(lp[k, b]), top):
+                    slot = self.slots.index(req)
+                    self.slots[slot] = None
+                    self.alloc.release(slot)
+                    break
 
     # -- steps -----------------------------------------------------------------------------
     def _admit(self, queue: deque):
@@ -113,22 +123,27 @@ class Engine:
         reqs = [r for _, r in group] + [None] * (B - len(group))
         want_lp = any(r.logprobs is not None for _, r in group)
         out, self.state = self.steps.prefill(self.weights, self.state, jnp.asarray(tokens),
-                                         jnp.asarray(lens), jnp.asarray(slots), self._samp(reqs), want_logprobs=want_lp)
-        self._deliver(out, [(b, r) for b, (_, r) in enumerate(group)])
+                                         jnp.asarray(lens), jnp.asarray(slots), self._samp(reqs), want_logprobs=want_lp,
+                                         stochastic=_stochastic(reqs))
+        self._deliver(out, [(b, r) for b, (_, r) in enumerate(group)], stacked=False)
 
     def _decode(self):
         rows = [(i, r) for i, r in enumerate(self.slots) if r is not None]
+        remaining = max(r.max_len - len(r.token_ids) for _, r in rows)
+        K = min(self.batch_opts.steps_per_call, _bucket(remaining, 1, self.batch_opts.steps_per_call))
+        cap = self.alloc.pages_per_slot * self.alloc.page_size
         for i, _ in rows:
-            if not self.alloc.ensure(i, int(self.lens[i]) + 1):
+            if not self.alloc.ensure(i, min(int(self.lens[i]) + K, cap)):
                 raise RuntimeError("out of KV pages: raise num_pages or lower max_batch")
         self._push_page_table()
         active = np.array([r is not None for r in self.slots])
         want_lp = any(r.logprobs is not None for _, r in rows)
         B = self.batch_opts.max_batch
-        out, self.state = self.steps.decode(self.weights, self.state, jnp.arange(B, dtype=jnp.int32),
-                                        jnp.asarray(active), self._samp(self.slots), want_logprobs=want_lp)
-        self.lens[active] += 1
-        self._deliver(out, rows)
+        out, self.state = self.steps.decode_many(self.weights, self.state, jnp.arange(B, dtype=jnp.int32),
+                                                 jnp.asarray(active), self._samp(self.slots), num_steps=K,
+                                                 want_logprobs=want_lp, stochastic=_stochastic(self.slots))
+        self.lens[active] += K
+        self._deliver(out, rows, stacked=True)
 
     def run(self, requests: list[Request]) -> None:
         """Run requests to completion (continuous batching: freed slots admit queued requests)."""

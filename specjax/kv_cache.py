@@ -63,7 +63,7 @@ def write_indices(page_table, start, num_new, T: int, page_size: int):
     page_col = jnp.clip(pos // page_size, 0, page_table.shape[1] - 1)
     page = jnp.take_along_axis(page_table, page_col, axis=1)
     idx = page * page_size + pos % page_size
-    valid = t < num_new[:, None]
+    valid = (t < num_new[:, None]) & (pos < page_table.shape[1] * page_size)
     return jnp.where(valid, idx, TRASH_PAGE * page_size + t % page_size).astype(jnp.int32)
 
 

@@ -41,18 +41,19 @@ def _row_key(seed, position):
     return jax.random.fold_in(jax.random.key(seed), position)
 
 
-def sample(logits, samp: SamplingArrays, positions):
-    """logits: [B, V] float32; positions: [B] int32 (unique per token of a request). -> [B] int32."""
+def sample(logits, samp: SamplingArrays, positions, stochastic: bool = True):
+    """logits: [B, V] float32; positions: [B] int32 (unique per token of a request). -> [B] int32.
+
+    stochastic is static: False compiles the greedy-only program (no sort, no host-read
+    predicate); with True, rows whose temperature is 0 still take the argmax."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def stochastic(_):
-        vals, order = filtered_logits(logits, samp.temperature, samp.top_p, samp.top_k)
-        keys = jax.vmap(_row_key)(samp.seed, positions)
-        pick = jax.vmap(jax.random.categorical)(keys, vals)  # [B] index into sorted order
-        tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        return jnp.where(samp.temperature > 0, tok, greedy)
-
-    return jax.lax.cond(jnp.any(samp.temperature > 0), stochastic, lambda _: greedy, None)
+    if not stochastic:
+        return greedy
+    vals, order = filtered_logits(logits, samp.temperature, samp.top_p, samp.top_k)
+    keys = jax.vmap(_row_key)(samp.seed, positions)
+    pick = jax.vmap(jax.random.categorical)(keys, vals)  # [B] index into sorted order
+    tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(samp.temperature > 0, tok, greedy)
 
 
 def token_logprobs(logits, tokens):

@@ -1,0 +1,184 @@
+"""The user-facing API (specjax.LLM) and the CLI on the real default model (SmolLM2-135M-Instruct),
+float32. One LLM serves the module; the CLI is run in-process once for real (it builds its own LLM)
+and twice on inputs it must refuse before loading anything."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specjax import LLM, SamplingParams
+from specjax.cli import main
+from specjax.default_model import ensure_default
+from specjax.llm import PromptError
+
+MAX_SEQ = 256
+GREEDY8 = SamplingParams(max_tokens=8, temperature=0.0)
+TEXTS = ["The capital of France is", "Write a haiku about rain.", "1, 2, 3, 4,"]
+QUESTION = "What is the tallest mountain on Earth?"
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return ensure_default()
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(dtype="float32", max_batch=4, max_seq_len=MAX_SEQ)
+
+
+def chat_ids(tokenizer, messages):
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):  # BatchEncoding in newer transformers
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def check_output(llm, o, max_tokens=8):
+    assert o.finish_reason in ("stop", "length")
+    assert 1 <= len(o.token_ids) <= max_tokens
+    if o.finish_reason == "length":
+        assert len(o.token_ids) == max_tokens
+    else:
+        assert o.token_ids[-1] in llm.eos_ids
+    assert all(0 <= t < llm.cfg.vocab_size for t in o.token_ids)
+    assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+
+
+def hf_greedy(model_dir, prompt_ids: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy continuations from transformers' LlamaForCausalLM built from the same weights."""
+    import transformers as tf
+
+    from specjax.checkpoint import load_flat
+
+    cfg, flat = load_flat(model_dir, "float32")
+    hf_cfg = json.loads((model_dir / "config.json").read_text())
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**{k: v for k, v in hf_cfg.items() if k != "architectures"}))
+    E, L = cfg.hidden_size, cfg.num_layers
+    sd = {"model.embed_tokens.weight": flat["embed"], "model.norm.weight": flat["norm.scale"]}
+    for i in range(L):
+        h, p = f"model.layers.{i}.", f"layers.{i}."
+        sd[h + "input_layernorm.weight"] = flat[p + "attn_norm.scale"]
+        sd[h + "post_attention_layernorm.weight"] = flat[p + "mlp_norm.scale"]
+        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj")):
+            sd[h + f"self_attn.{theirs}.weight"] = flat[p + "attn." + ours].reshape(E, -1).T
+        sd[h + "self_attn.o_proj.weight"] = flat[p + "attn.wo"].reshape(-1, E).T
+        sd[h + "mlp.gate_proj.weight"] = flat[p + "mlp.w_gate"].T
+        sd[h + "mlp.up_proj.weight"] = flat[p + "mlp.w_up"].T
+        sd[h + "mlp.down_proj.weight"] = flat[p + "mlp.w_down"].T
+    sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            seq = list(ids)
+            for _ in range(n):  # explicit greedy loop (full recompute)
+                nxt = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+                seq.append(nxt)
+                if nxt in cfg.eos_token_ids:
+                    break
+            outs.append(seq[len(ids):])
+    return outs
+
+
+# ----------------------------------------------------------------- LLM
+
+def test_generate_strings_and_token_ids(llm, model_dir):
+    outs = llm.generate(TEXTS, GREEDY8)
+    assert len(outs) == len(TEXTS)
+    for text, o in zip(TEXTS, outs):
+        assert o.prompt == text
+        assert o.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+        check_output(llm, o)
+    assert any(o.finish_reason == "length" for o in outs)
+    # the same prompts as token ids give the same tokens
+    by_ids = llm.generate([o.prompt_token_ids for o in outs], GREEDY8)
+    assert [o.token_ids for o in by_ids] == [o.token_ids for o in outs]
+    assert all(o.prompt is None for o in by_ids)
+    # a single string / a single token list are one prompt
+    (one,) = llm.generate(TEXTS[0], GREEDY8)
+    assert one.token_ids == outs[0].token_ids
+    (one,) = llm.generate(outs[0].prompt_token_ids, GREEDY8)
+    assert one.token_ids == outs[0].token_ids
+    # the real model's greedy tokens equal transformers' on the same weights
+    assert [o.token_ids for o in outs] == hf_greedy(model_dir, [o.prompt_token_ids for o in outs], 8)
+
+
+def test_chat_applies_template(llm):
+    msgs = [{"role": "user", "content": QUESTION}]
+    out = llm.chat(msgs, GREEDY8)
+    assert out.prompt_token_ids == chat_ids(llm.tokenizer, msgs)
+    assert out.prompt_token_ids[-4:] == llm.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    check_output(llm, out)
+    # several conversations at once -> a list, same tokens for the same conversation
+    msgs2 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    outs = llm.chat([msgs, msgs2], GREEDY8)
+    assert isinstance(outs, list) and len(outs) == 2
+    assert outs[0].token_ids == out.token_ids
+    assert outs[1].prompt_token_ids == chat_ids(llm.tokenizer, msgs2)
+
+
+@pytest.mark.parametrize("prompts,match", [
+    ("", "empty"),
+    ([[]], "empty"),
+    (["fine", ""], "prompt 1 is empty"),
+    ([[1] * MAX_SEQ], "max_seq_len"),
+    (["hello " * MAX_SEQ], "max_seq_len"),
+    ([[5, 49152]], "token ids"),
+    ([[-1, 5]], "token ids"),
+    ([[5, 1.0]], "token ids"),
+    ([[5, True]], "token ids"),
+])
+def test_prompt_errors(llm, prompts, match):
+    with pytest.raises(PromptError, match=match):
+        llm.generate(prompts, GREEDY8)
+    assert all(s is None for s in llm.engine.slots)
+
+
+def test_longest_allowed_prompt_is_accepted(llm):
+    req = llm._request([1] * (MAX_SEQ - 1), GREEDY8, 0)
+    assert req.max_len == 1
+
+
+# ----------------------------------------------------------------- CLI
+
+def test_cli_generate_jsonl(llm, tmp_path):
+    rows = [{"prompt": TEXTS[0]},
+            {"turns": [QUESTION, "and the second?"], "question_id": 7, "category": "x"},
+            {"prompt_ids": llm.tokenizer.encode(TEXTS[2], add_special_tokens=False), "extra": [1, {"a": 2}]}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    rc = main(["generate", "--prompts", str(src), "--output", str(out), "--max-tokens", "8", "--dtype", "float32",
+               "--temperature", "0", "--max-batch", "4", "--max-seq-len", str(MAX_SEQ)])
+    assert rc == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(got) == 3
+    # reference: the same prompts through the library (text prompts with the chat template)
+    chat = lambda t: llm.apply_chat_template([{"role": "user", "content": t}])  # noqa: E731
+    want = llm.generate([chat(TEXTS[0]), chat(QUESTION), rows[2]["prompt_ids"]], GREEDY8)
+    assert [g["prompt"] for g in got] == [TEXTS[0], QUESTION, llm.tokenizer.decode(rows[2]["prompt_ids"])]
+    for g, w in zip(got, want):
+        assert {"prompt", "text", "token_ids", "finish_reason"} <= set(g)
+        assert "turns" not in g and "prompt_ids" not in g
+        assert (g["text"], g["token_ids"], g["finish_reason"]) == (w.text, w.token_ids, w.finish_reason)
+    assert got[1]["question_id"] == 7 and got[1]["category"] == "x"
+    assert got[2]["extra"] == [1, {"a": 2}]
+    assert set(got[0]) == {"prompt", "text", "token_ids", "finish_reason"}
+
+
+def test_cli_refuses_bad_input(tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text(json.dumps({"prompt": "ok"}) + "\n\n{\"prompt\": oops}\n")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompts", str(src), "--max-tokens", "2"])
+    msg = str(e.value.code)
+    assert f"{src}:3:" in msg and "JSON" in msg
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "hi", "--top-p", "2"])
+    assert "top_p" in str(e.value.code)
