@@ -97,8 +97,9 @@ class ModelConfig:
             rope=_rope_from_hf(d),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=attn_bias or arch == "Qwen2ForCausalLM",
-            o_bias=attn_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM"),
+            # Mistral has no attention biases; Qwen2 always has q/k/v biases (never o).
+            qkv_bias=(attn_bias and arch != "MistralForCausalLM") or arch == "Qwen2ForCausalLM",
+            o_bias=attn_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=int(window) if window else None,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),

@@ -33,7 +33,7 @@ def filtered_logits(logits, temperature, top_p, top_k):
     vals = jnp.where((top_k[:, None] > 0) & (rank >= top_k[:, None]), -jnp.inf, vals)
     probs = jax.nn.softmax(vals, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
-    vals = jnp.where((before >= top_p[:, None]) & (rank > 0), -jnp.inf, vals)
+    vals = jnp.where((before >= top_p[:, None]) & (rank > 0) & (top_p[:, None] < 1.0), -jnp.inf, vals)
     return vals, order
 
 

@@ -197,3 +197,12 @@ def test_bfloat16_close_to_float32(tmp_path_factory):
         # mostly the same argmax (bf16 may flip near-ties)
         agree = np.mean(np.argmax(logits[b, :n], -1) == np.argmax(ref_logits, -1))
         assert agree >= 0.7, agree
+
+
+@pytest.mark.parametrize("arch,qkv,o", [("Qwen3ForCausalLM", True, True), ("MistralForCausalLM", False, False),
+                                        ("Qwen2ForCausalLM", True, False), ("LlamaForCausalLM", True, True)])
+def test_attention_bias_flags_follow_hf(arch, qkv, o):
+    from specjax.config import ModelConfig
+    cfg = ModelConfig.from_hf_dict(dict(architectures=[arch], vocab_size=8, hidden_size=8, intermediate_size=8,
+                                        num_hidden_layers=1, num_attention_heads=2, attention_bias=True))
+    assert (cfg.qkv_bias, cfg.o_bias) == (qkv, o)

@@ -72,9 +72,6 @@ def test_filtered_logits_matches_brute_force():
     assert checked > B * 0.9
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: filtered_logits applies the top-p cut even at top_p=1.0; "
-                   "tail tokens whose float32 cumulative mass rounds to >= 1.0 are dropped (sampling.py, "
-                   "`before >= top_p` needs `& (top_p < 1)`). Remove this marker once fixed.")
 def test_top_p_one_keeps_every_token():
     """top_p = 1.0 means no nucleus filtering: every token must stay sampleable."""
     rng = np.random.default_rng(4)

@@ -61,3 +61,8 @@ def test_normalization():
     d = SamplingParams()
     assert (d.max_tokens, d.temperature, d.top_p, d.top_k, d.seed, d.ignore_eos, d.logprobs) == \
         (16, 1.0, 1.0, 0, None, False, None)
+
+
+def test_top_p_bool_rejected():
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        SamplingParams(top_p=True)
