@@ -29,7 +29,7 @@ from specjax.sampling import SamplingArrays  # noqa: E402
 from specjax.shapes import shape_config  # noqa: E402
 
 
-def copy_bandwidth(gib=4.0, reps=20):
+def copy_bandwidth(gib=4.0, reps=50):
     """Best of a few device-memory streaming kernels: bytes read + written per second."""
     n = int(gib * 2**30) // 4
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
@@ -92,10 +92,11 @@ def bench_one(shape, batch, context, steps, max_seq_len, page_size):
     cache.page_table = jnp.asarray(table)
     cache.seq_lens = jnp.full((batch,), context, jnp.int32)
     state = decode.DecodeState(cache, jnp.ones((batch,), jnp.int32))
-    slots = jnp.arange(batch, dtype=jnp.int32)
-    active = jnp.ones((batch,), bool)
-    samp = SamplingArrays(jnp.zeros((batch,), jnp.float32), jnp.ones((batch,), jnp.float32),
-                          jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.uint32))
+    rows = max(2, batch)  # as the engine: a single request runs with one padding row
+    slots = jnp.arange(rows, dtype=jnp.int32)
+    active = jnp.arange(rows) < batch
+    samp = SamplingArrays(jnp.zeros((rows,), jnp.float32), jnp.ones((rows,), jnp.float32),
+                          jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.uint32))
 
     def reset(state):  # keep the context length fixed across timed steps
         c = state.cache
@@ -124,7 +125,7 @@ def bench_one(shape, batch, context, steps, max_seq_len, page_size):
     dispatch_s = (time.perf_counter() - t0) / steps
     out.tokens.block_until_ready()
     # device-only step time: `loop` steps inside one program (no per-step host dispatch)
-    loop = 16
+    loop = 8  # the engine's default steps_per_call
     state = reset(state)
     toks, state = fns.decode_many(weights, state, slots, active, samp, num_steps=loop, stochastic=False)
     toks.tokens.block_until_ready()

@@ -66,17 +66,20 @@ def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, wan
 
 def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logprobs=False, stochastic=True):
     """One decode step for the rows `slots` [B]: feeds each slot's last token, appends its K/V,
-    samples the next token. Inactive rows ([B] bool) write to the trash page and do not advance."""
+    samples the next token. Inactive rows ([B] bool) write to the trash page and do not advance;
+    rows with slot >= max_slots are padding (a batch of >= 2 rows keeps XLA from rewriting the
+    matmuls of a single row into multiply + reduce pairs, which is slower on GPU)."""
     model = nnx.merge(graphdef, params)
     cache = state.cache
     num_new = active.astype(jnp.int32)
-    meta = step_meta(cache, slots, num_new, 1)
-    positions = cache.seq_lens[slots]  # [B]
-    tokens = state.last_tokens[slots]
+    read_slots = jnp.minimum(slots, cache.seq_lens.shape[0] - 1)
+    meta = step_meta(cache, read_slots, num_new, 1)
+    positions = cache.seq_lens[read_slots]  # [B]
+    tokens = state.last_tokens[read_slots]
     h, cache, _ = model(tokens[:, None], positions[:, None], cache, meta)
     out = _finish(model, h[:, 0], samp, positions + 1, want_logprobs, stochastic)
-    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].add(num_new))
-    last_tokens = state.last_tokens.at[slots].set(jnp.where(active, out.tokens, tokens))
+    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].add(num_new, mode="drop"))
+    last_tokens = state.last_tokens.at[slots].set(jnp.where(active, out.tokens, tokens), mode="drop")
     return out, DecodeState(cache, last_tokens)
 
 
@@ -107,7 +110,7 @@ def compile_steps(graphdef, params) -> tuple[Steps, list]:
             return fn(graphdef, jax.tree.unflatten(treedef, weights), *args, **kw)
         return run
 
-    jit = functools.partial(jax.jit, donate_argnames=("state",))
+    jit = functools.partial(jax.jit, donate_argnums=(1,))  # run(weights, state, ...): state donated
     return Steps(
         prefill=jit(bind(prefill), static_argnames=("want_logprobs", "stochastic")),
         decode=jit(bind(decode), static_argnames=("want_logprobs", "stochastic")),

@@ -136,13 +136,14 @@ class Engine:
             if not self.alloc.ensure(i, min(int(self.lens[i]) + K, cap)):
                 raise RuntimeError("out of KV pages: raise num_pages or lower max_batch")
         self._push_page_table()
-        active = np.array([r is not None for r in self.slots])
+        B = max(2, self.batch_opts.max_batch)  # rows past max_batch are padding (see decode.decode)
+        reqs = self.slots + [None] * (B - len(self.slots))
+        active = np.array([r is not None for r in reqs])
         want_lp = any(r.logprobs is not None for _, r in rows)
-        B = self.batch_opts.max_batch
         out, self.state = self.steps.decode_many(self.weights, self.state, jnp.arange(B, dtype=jnp.int32),
-                                                 jnp.asarray(active), self._samp(self.slots), num_steps=K,
-                                                 want_logprobs=want_lp, stochastic=_stochastic(self.slots))
-        self.lens[active] += K
+                                                 jnp.asarray(active), self._samp(reqs), num_steps=K,
+                                                 want_logprobs=want_lp, stochastic=_stochastic(reqs))
+        self.lens[active[: len(self.slots)]] += K
         self._deliver(out, rows, stacked=True)
 
     def run(self, requests: list[Request]) -> None:

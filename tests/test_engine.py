@@ -276,3 +276,13 @@ def test_logprobs(setup, eng16):
                 assert abs(entry[int(t)] - lp[j, t]) < 1e-4
             checked_non_top += tok not in top
     assert checked_non_top > 0, "no sampled token outside the top logprobs: the chosen-entry path is untested"
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 8])
+def test_single_slot_engine_and_steps_per_call(setup, steps_per_call):
+    """max_batch=1 (decode runs with a padding row) and 1 or 8 steps per dispatch: same tokens."""
+    cfg, model, prompts, greedy_tokens = setup[0], setup[1], setup[2], setup[4]
+    eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ),
+                 BatchOptions(max_batch=1, steps_per_call=steps_per_call), jnp.float32)
+    reqs = run(eng, make_requests(prompts[:4], GREEDY))
+    assert [r.token_ids for r in reqs] == greedy_tokens[:4]
