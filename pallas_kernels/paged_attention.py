@@ -46,9 +46,10 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, q_start, kv_len, 
     k = k_pages[page_table].reshape(B, S, Hkv, D)  # [B, S, Hkv, D]
     v = v_pages[page_table].reshape(B, S, Hkv, D)
     qg = q.reshape(B, T, Hkv, G, D)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32 for f32 on GPU
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=prec, preferred_element_type=jnp.float32) * scale
     mask = visibility_mask(q_start, kv_len, S, T, block_mask, sliding_window)  # [B, T, S]
     s = jnp.where(mask[:, None, None], s, -1e30)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
     return o.reshape(B, T, H, D).astype(q.dtype)

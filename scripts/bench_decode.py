@@ -152,8 +152,11 @@ def main():
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--json", default=None)
+    p.add_argument("--attention", default="auto", help="implementation at specjax.attention (auto: cuDNN for bf16 on GPU)")
     a = p.parse_args()
-    print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, "attention:", a.attention, flush=True)
+    from specjax import attention
+    attention.set_impl(a.attention)
     bw, kinds = copy_bandwidth()
     print("copy bandwidth (GB/s):", {k: round(v / 1e9) for k, v in kinds.items()}, flush=True)
     rows = []

@@ -4,10 +4,30 @@ Model code calls `attend`; which implementation runs is chosen here, never in th
 """
 from __future__ import annotations
 
-from pallas_kernels.paged_attention import paged_attention_reference
+import jax
+import jax.numpy as jnp
 
-_IMPLS = {"reference": paged_attention_reference}
-_active = "reference"
+from pallas_kernels.paged_attention import paged_attention_reference, visibility_mask
+
+
+def paged_attention_cudnn(q, k_pages, v_pages, page_table, q_start, kv_len, block_mask=None,
+                          *, sliding_window=None, scale=None):
+    """Same contract as the reference; the softmax(QK^T)V part runs as one cuDNN fused kernel
+    (GPU, bf16/fp16 only). Gathering the pages stays in XLA."""
+    B, T, H, D = q.shape
+    _, ps, Hkv, _ = k_pages.shape
+    S = page_table.shape[1] * ps
+    k = k_pages[page_table].reshape(B, S, Hkv, D)  # [B, S, Hkv, D]
+    v = v_pages[page_table].reshape(B, S, Hkv, D)
+    if T == 1 and block_mask is None and sliding_window is None:  # decode: keys [0, kv_len)
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=kv_len,
+                                            implementation="cudnn")
+    mask = visibility_mask(q_start, kv_len, S, T, block_mask, sliding_window)[:, None]  # [B, 1, T, S]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
+
+
+_IMPLS = {"reference": paged_attention_reference, "cudnn": paged_attention_cudnn}
+_active = "auto"  # cuDNN fused attention on GPU for bf16/fp16, else the jnp reference
 
 
 def register(name: str, fn) -> None:
@@ -17,12 +37,15 @@ def register(name: str, fn) -> None:
 
 def set_impl(name: str) -> None:
     global _active
-    if name not in _IMPLS:
+    if name not in _IMPLS and name != "auto":
         raise ValueError(f"unknown attention implementation {name!r}; known: {sorted(_IMPLS)}")
     _active = name
 
 
 def attend(q, k_pages, v_pages, meta, *, sliding_window=None):
     """q: [B, T, H, D] over the pages named by meta (AttnMeta). Returns [B, T, H, D]."""
-    return _IMPLS[_active](q, k_pages, v_pages, meta.page_table, meta.q_start, meta.kv_len,
+    name = _active
+    if name == "auto":
+        name = "cudnn" if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) else "reference"
+    return _IMPLS[name](q, k_pages, v_pages, meta.page_table, meta.q_start, meta.kv_len,
                            meta.block_mask, sliding_window=sliding_window)

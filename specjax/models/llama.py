@@ -18,6 +18,12 @@ from specjax.kv_cache import AttnMeta, KVCache, write_kv
 from specjax.models.layers import RMSNorm, apply_rope, rope_inv_freq
 
 
+def _einsum(spec, a, b, **kw):
+    """einsum that keeps float32 exact on GPU (TF32 would be the default there)."""
+    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.einsum(spec, a, b, precision=prec, **kw)
+
+
 def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
     """Flat name -> (shape, logical axes) of every parameter of the model."""
     E, H, K, D, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -76,9 +82,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, k_pages, v_pages, meta: AttnMeta):
         # x: [B, T, E]
-        q = jnp.einsum("bte,ehd->bthd", x, self.wq[...])  # [B, T, H, D]
-        k = jnp.einsum("bte,ekd->btkd", x, self.wk[...])  # [B, T, K, D]
-        v = jnp.einsum("bte,ekd->btkd", x, self.wv[...])  # [B, T, K, D]
+        q = _einsum("bte,ehd->bthd", x, self.wq[...])  # [B, T, H, D]
+        k = _einsum("bte,ekd->btkd", x, self.wk[...])  # [B, T, K, D]
+        v = _einsum("bte,ekd->btkd", x, self.wv[...])  # [B, T, K, D]
         if self.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         if self.qk_norm:
@@ -87,7 +93,7 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, self.inv_freq)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.write_idx)
         o = attention.attend(q, k_pages, v_pages, meta, sliding_window=self.sliding_window)
-        out = jnp.einsum("bthd,hde->bte", o, self.wo[...])  # [B, T, E]
+        out = _einsum("bthd,hde->bte", o, self.wo[...])  # [B, T, E]
         if self.o_bias:
             out = out + self.bo[...]
         return out, k_pages, v_pages
@@ -101,9 +107,9 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (F, E), ("mlp", "embed"), dtype)
 
     def __call__(self, x):  # [B, T, E]
-        gate = jnp.einsum("bte,ef->btf", x, self.w_gate[...])
-        up = jnp.einsum("bte,ef->btf", x, self.w_up[...])
-        return jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, self.w_down[...])
+        gate = _einsum("bte,ef->btf", x, self.w_gate[...])
+        up = _einsum("bte,ef->btf", x, self.w_up[...])
+        return _einsum("btf,fe->bte", jax.nn.silu(gate) * up, self.w_down[...])
 
 
 class Block(nnx.Module):
@@ -149,7 +155,7 @@ class Llama(nnx.Module):
 
     def logits(self, h):  # [B, T, E] -> [B, T, V] float32
         w = self.embed[...].T if self.tied else self.lm_head[...]
-        return jnp.einsum("bte,ev->btv", h, w, preferred_element_type=jnp.float32)
+        return _einsum("bte,ev->btv", h, w, preferred_element_type=jnp.float32)
 
 
 def flat_state(model: nnx.Module) -> dict[str, jax.Array]:

@@ -1,0 +1,288 @@
+"""Draft trees for EAGLE-2 style speculative decoding (and the chain special case).
+
+Everything here is pure ``jnp`` with static shapes, batched over rows ``B``, and usable
+inside ``jax.jit``.
+
+Conventions
+-----------
+* A tree has ``N = num_draft_tokens + 1`` nodes: node 0 is the *root* (the last accepted
+  token, depth 0) followed by ``M = num_draft_tokens`` draft nodes.
+* Nodes are ordered by depth, and within a depth by candidate index (see below), so that
+  ``parents[i] < i`` for every ``i >= 1``; ``parents[0] == -1``.
+* ``mask[b, i, j]`` is True iff node ``j`` is node ``i`` or an ancestor of node ``i``
+  (the tree attention mask: node ``i`` attends to ``j``).
+* Positions: the KV cache holds ``seq_len`` tokens *not* including the root. The root is
+  fed to the target together with the draft nodes at position ``seq_len``, so a node at
+  depth ``d`` sits at position ``seq_len + d`` (see :func:`positions`).
+
+EAGLE-2 growth (``topk = k``, ``num_steps = S``)
+------------------------------------------------
+* step 0: the root's ``k`` best children; ``C_0 = k`` candidates at depth 1, score = log-prob.
+* step s >= 1: the frontier is the ``k`` best candidates of step ``s-1`` (by cumulative score,
+  ties -> lower candidate index); each frontier node expands its ``k`` best children,
+  score = parent score + child log-prob, giving ``C_s = k*k`` candidates at depth ``s+1``.
+  Candidate ``j*k + r`` of step ``s`` is the ``r``-th best child of the ``j``-th frontier node.
+* finally the best ``M`` of all ``sum_s C_s`` candidates are kept (ties -> lower depth, then
+  lower candidate index). Scores are made monotone along paths (a node's effective score is
+  ``min(own, parent's effective)``), so the kept set is always closed under ancestors.
+
+Per-step candidate representation consumed by :func:`select_tree` (lists of length ``S``)::
+
+    step_tokens[s]   [B, C_s] int32    candidate token ids
+    step_scores[s]   [B, C_s] float32  cumulative log-prob scores
+    step_parents[s]  [B, C_s] int32    index into step s-1's candidates (-1 = root; step 0)
+
+:func:`expand_step` / :func:`frontier` produce exactly that from the draft's log-probs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+SPEC_METHODS = ("eagle", "eagle3")
+
+
+def max_candidates(num_steps: int, topk: int) -> int:
+    """Total number of EAGLE-2 candidates: ``topk + (num_steps - 1) * topk**2``."""
+    return topk + (num_steps - 1) * topk * topk
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding configuration.
+
+    ``num_draft_tokens`` (M) counts the draft nodes, *excluding* the root; the verified tree
+    has ``num_nodes = M + 1`` nodes. ``topk == 1`` is a chain of ``num_steps`` tokens (M must
+    then equal ``num_steps``). When None, M defaults to ``num_steps`` for a chain and to
+    ``min(max_candidates, num_steps * topk)`` for a tree.
+    """
+
+    method: str = "eagle"
+    num_steps: int = 5
+    topk: int = 1
+    num_draft_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"SpecConfig.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        for name in ("num_steps", "topk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"SpecConfig.{name} must be an int >= 1, got {v!r}")
+        cap = max_candidates(self.num_steps, self.topk)
+        m = self.num_draft_tokens
+        if m is None:
+            m = self.num_steps if self.topk == 1 else min(cap, self.num_steps * self.topk)
+            object.__setattr__(self, "num_draft_tokens", m)
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"SpecConfig.num_draft_tokens must be an int >= 1, got {m!r}")
+        if self.topk == 1 and m != self.num_steps:
+            raise ValueError(
+                f"SpecConfig: with topk=1 (a chain) num_draft_tokens must equal num_steps "
+                f"({self.num_steps}), got {m}")
+        if m > cap:
+            raise ValueError(
+                f"SpecConfig.num_draft_tokens={m} exceeds the {cap} candidates that "
+                f"num_steps={self.num_steps}, topk={self.topk} can produce "
+                f"(topk + (num_steps-1)*topk^2)")
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def num_nodes(self) -> int:
+        """Tree size including the root: num_draft_tokens + 1."""
+        return self.num_draft_tokens + 1
+
+    @property
+    def max_candidates(self) -> int:
+        return max_candidates(self.num_steps, self.topk)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Tree:
+    """A batch of draft trees with N = M + 1 nodes (node 0 = root)."""
+
+    tokens: jax.Array  # [B, N] int32; tokens[:, 0] = root token
+    parents: jax.Array  # [B, N] int32; parents[:, 0] = -1, parents[:, i] < i
+    depth: jax.Array  # [B, N] int32; depth[:, 0] = 0
+    mask: jax.Array  # [B, N, N] bool; mask[b, i, j] = j is i or an ancestor of i
+    max_depth: int = dataclasses.field(default=0, metadata={"static": True})  # = num_steps
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+
+# ----------------------------------------------------------------------------- growth
+
+
+def expand_step(parent_scores, child_logprobs, topk: int):
+    """Expand frontier nodes by their ``topk`` best children.
+
+    parent_scores   [B, F] float32: cumulative scores of the F frontier nodes (zeros for the root)
+    child_logprobs  [B, F, V] float32: the draft's log-probs for each frontier node's next token
+    Returns (tokens [B, F*topk] int32, scores [B, F*topk] float32, local_parent [B, F*topk] int32)
+    where candidate ``j*topk + r`` is the r-th best child (ties -> lower token id) of frontier
+    node ``j`` and ``local_parent`` is ``j``.
+    """
+    b, f, _ = child_logprobs.shape
+    lp, tok = jax.lax.top_k(child_logprobs, topk)  # [B, F, k]
+    scores = parent_scores[:, :, None].astype(jnp.float32) + lp.astype(jnp.float32)
+    local = jnp.broadcast_to(jnp.arange(f, dtype=jnp.int32)[None, :, None], (b, f, topk))
+    return (tok.astype(jnp.int32).reshape(b, f * topk), scores.reshape(b, f * topk),
+            local.reshape(b, f * topk))
+
+
+def frontier(scores, topk: int):
+    """Indices [B, topk] int32 of the ``topk`` best candidates (ties -> lower index), best first."""
+    order = jnp.argsort(-scores, axis=-1, stable=True)
+    return order[:, :topk].astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def _ancestor_mask(parents, max_depth: int):
+    """mask [B, N, N]: j == i or j is an ancestor of i. parents [B, N] with -1 for the root."""
+    b, n = parents.shape
+    idx = jnp.arange(n, dtype=jnp.int32)
+    mask = jnp.broadcast_to(idx[:, None] == idx[None, :], (b, n, n))
+    anc = parents
+    for _ in range(max_depth):
+        mask = mask | (anc[:, :, None] == idx[None, None, :])  # anc == -1 matches nothing
+        anc = jnp.where(anc >= 0, jnp.take_along_axis(parents, jnp.maximum(anc, 0), axis=1), -1)
+    return mask
+
+
+def select_tree(root_tokens, step_tokens, step_scores, step_parents, num_draft_tokens: int) -> Tree:
+    """Keep the best ``num_draft_tokens`` EAGLE-2 candidates and lay them out as a Tree.
+
+    root_tokens      [B] int32
+    step_tokens[s]   [B, C_s] int32
+    step_scores[s]   [B, C_s] float32 cumulative scores
+    step_parents[s]  [B, C_s] int32 index into step s-1's candidates; ignored for s = 0 (root)
+    Candidates are ranked by effective score (min of own and ancestors' scores), ties ->
+    lower depth, then lower candidate index; the kept nodes are ordered by (depth, index).
+    """
+    num_steps = len(step_tokens)
+    if not (num_steps == len(step_scores) == len(step_parents)) or num_steps == 0:
+        raise ValueError("select_tree: need the same non-zero number of steps for tokens/scores/parents")
+    b = root_tokens.shape[0]
+    sizes = [t.shape[1] for t in step_tokens]
+    offsets = [sum(sizes[:s]) for s in range(num_steps)]
+    k_total = sum(sizes)
+    m = int(num_draft_tokens)
+    if not 1 <= m <= k_total:
+        raise ValueError(f"select_tree: num_draft_tokens={m} must be in [1, {k_total}] (candidates)")
+
+    eff_steps, gparents, depths = [], [], []
+    for s in range(num_steps):
+        sc = step_scores[s].astype(jnp.float32)
+        if s == 0:
+            eff = sc
+            gp = jnp.full(sc.shape, -1, jnp.int32)
+        else:
+            lp = step_parents[s].astype(jnp.int32)
+            eff = jnp.minimum(sc, jnp.take_along_axis(eff_steps[-1], lp, axis=1))
+            gp = lp + offsets[s - 1]
+        eff_steps.append(eff)
+        gparents.append(gp)
+        depths.append(jnp.full(sc.shape, s + 1, jnp.int32))
+    eff = jnp.concatenate(eff_steps, axis=1)  # [B, K]
+    toks = jnp.concatenate([t.astype(jnp.int32) for t in step_tokens], axis=1)  # [B, K]
+    gpar = jnp.concatenate(gparents, axis=1)  # [B, K] global candidate index, -1 = root
+    dep = jnp.concatenate(depths, axis=1)  # [B, K]
+
+    # Flat order is (depth, index), so a stable descending sort breaks ties as documented.
+    keep = jnp.argsort(-eff, axis=1, stable=True)[:, :m]  # [B, M]
+    keep = jnp.sort(keep, axis=1).astype(jnp.int32)  # node order: (depth, index)
+
+    rows = jnp.arange(b)[:, None]
+    node_of = jnp.zeros((b, k_total), jnp.int32).at[rows, keep].set(
+        jnp.arange(1, m + 1, dtype=jnp.int32)[None, :])  # candidate -> node index (0 = not kept)
+    cpar = jnp.take_along_axis(gpar, keep, axis=1)  # [B, M]
+    npar = jnp.where(cpar < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(cpar, 0), axis=1))
+
+    tokens = jnp.concatenate([root_tokens.astype(jnp.int32)[:, None],
+                              jnp.take_along_axis(toks, keep, axis=1)], axis=1)
+    parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), npar], axis=1)
+    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                             jnp.take_along_axis(dep, keep, axis=1)], axis=1)
+    return Tree(tokens=tokens, parents=parents, depth=depth,
+                mask=_ancestor_mask(parents, num_steps), max_depth=num_steps)
+
+
+def chain_tree(root_tokens, draft_tokens) -> Tree:
+    """The topk=1 tree: root_tokens [B], draft_tokens [B, S] -> a chain of N = S + 1 nodes."""
+    b, s = draft_tokens.shape
+    n = s + 1
+    idx = jnp.arange(n, dtype=jnp.int32)
+    tokens = jnp.concatenate([root_tokens.astype(jnp.int32)[:, None],
+                              draft_tokens.astype(jnp.int32)], axis=1)
+    parents = jnp.broadcast_to(idx - 1, (b, n))
+    depth = jnp.broadcast_to(idx, (b, n))
+    mask = jnp.broadcast_to(idx[None, :] <= idx[:, None], (b, n, n))
+    return Tree(tokens=tokens, parents=parents, depth=depth, mask=mask, max_depth=s)
+
+
+def positions(tree: Tree, seq_len):
+    """Rope positions [B, N] int32 of the tree nodes: ``seq_len + depth``.
+
+    ``seq_len`` [B] is the number of tokens already in the KV cache, *excluding* the root
+    (the root is written together with the draft nodes, at position ``seq_len``).
+    """
+    return seq_len.astype(jnp.int32)[:, None] + tree.depth
+
+
+def greedy_accept(tree: Tree, target_argmax):
+    """Greedy verification of a draft tree.
+
+    target_argmax [B, N] int32: the target's argmax next token after each node.
+    Walks from the root: a child ``c`` of the current node is accepted iff
+    ``tokens[c] == target_argmax[current]`` (several matching children -> the lowest index).
+    Returns:
+      accept_idx   [B, max_depth + 1] int32: node indices of the accepted path, accept_idx[:, 0]
+                   = 0 (root), padded with -1.
+      num_accepted [B] int32 >= 1: accepted path length including the root. The new tokens are
+                   tokens[accept_idx[1:num_accepted]] followed by bonus_token.
+      bonus_token  [B] int32: target_argmax at the last accepted node.
+    """
+    b, n = tree.tokens.shape
+    max_depth = tree.max_depth if tree.max_depth > 0 else n - 1
+    target_argmax = target_argmax.astype(jnp.int32)
+    rows = jnp.arange(b)
+    cur = jnp.zeros((b,), jnp.int32)
+    alive = jnp.ones((b,), bool)
+    path = [cur]
+    count = jnp.ones((b,), jnp.int32)
+    for _ in range(max_depth):
+        want = target_argmax[rows, cur]  # [B]
+        match = (tree.parents == cur[:, None]) & (tree.tokens == want[:, None])  # [B, N]
+        found = alive & jnp.any(match, axis=1)
+        nxt = jnp.argmax(match, axis=1).astype(jnp.int32)
+        path.append(jnp.where(found, nxt, -1))
+        cur = jnp.where(found, nxt, cur)
+        count = count + found.astype(jnp.int32)
+        alive = found
+    accept_idx = jnp.stack(path, axis=1)
+    bonus = target_argmax[rows, cur]
+    return accept_idx, count, bonus
+
+
+def accepted_tokens(tree: Tree, accept_idx, num_accepted, bonus_token):
+    """The new tokens of a greedy_accept result: [B, max_depth + 1] int32, padded with -1.
+
+    out[:, j] = tokens[accept_idx[:, j + 1]] for j < num_accepted - 1, then the bonus token at
+    j = num_accepted - 1; each row yields num_accepted new tokens.
+    """
+    b, w = accept_idx.shape
+    nxt = accept_idx[:, 1:]  # [B, w-1]
+    drafted = jnp.where(nxt >= 0, jnp.take_along_axis(tree.tokens, jnp.maximum(nxt, 0), axis=1), -1)
+    out = jnp.concatenate([drafted, jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    col = jnp.arange(w, dtype=jnp.int32)[None, :]
+    return jnp.where(col == (num_accepted - 1)[:, None], bonus_token.astype(jnp.int32)[:, None], out)
