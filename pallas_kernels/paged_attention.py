@@ -33,18 +33,24 @@ def visibility_mask(q_start, kv_len, S: int, T: int, block_mask=None, sliding_wi
     return mask
 
 
-def paged_attention_reference(q, k_pages, v_pages, page_table, q_start, kv_len, block_mask=None,
+def gather_kv(kv_pages, page_table):
+    """kv_pages [N, page_size, 2, Hkv, D], page_table [B, P] -> k, v: [B, P * page_size, Hkv, D]."""
+    B, P = page_table.shape
+    _, ps, _, Hkv, D = kv_pages.shape
+    kv = kv_pages[page_table].reshape(B, P * ps, 2, Hkv, D)  # one gather for K and V
+    return kv[:, :, 0], kv[:, :, 1]
+
+
+def paged_attention_reference(q, kv_pages, page_table, q_start, kv_len, block_mask=None,
                               *, sliding_window=None, scale=None):
-    """q: [B, T, H, D]; k/v_pages: [N, page_size, Hkv, D]; page_table: [B, P] int32;
+    """q: [B, T, H, D]; kv_pages: [N, page_size, 2, Hkv, D] (K then V); page_table: [B, P] int32;
     q_start, kv_len: [B] int32; block_mask: [B, T, T] bool or None. Returns [B, T, H, D]."""
     B, T, H, D = q.shape
-    _, ps, Hkv, _ = k_pages.shape
-    P = page_table.shape[1]
-    S = P * ps
+    Hkv = kv_pages.shape[3]
     G = H // Hkv
     scale = D ** -0.5 if scale is None else scale
-    k = k_pages[page_table].reshape(B, S, Hkv, D)  # [B, S, Hkv, D]
-    v = v_pages[page_table].reshape(B, S, Hkv, D)
+    k, v = gather_kv(kv_pages, page_table)  # [B, S, Hkv, D]
+    S = k.shape[1]
     qg = q.reshape(B, T, Hkv, G, D)
     prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32 for f32 on GPU
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=prec, preferred_element_type=jnp.float32) * scale

@@ -7,18 +7,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import paged_attention_reference, visibility_mask
+from pallas_kernels.paged_attention import gather_kv, paged_attention_reference, visibility_mask
 
 
-def paged_attention_cudnn(q, k_pages, v_pages, page_table, q_start, kv_len, block_mask=None,
+def paged_attention_cudnn(q, kv_pages, page_table, q_start, kv_len, block_mask=None,
                           *, sliding_window=None, scale=None):
     """Same contract as the reference; the softmax(QK^T)V part runs as one cuDNN fused kernel
     (GPU, bf16/fp16 only). Gathering the pages stays in XLA."""
-    B, T, H, D = q.shape
-    _, ps, Hkv, _ = k_pages.shape
-    S = page_table.shape[1] * ps
-    k = k_pages[page_table].reshape(B, S, Hkv, D)  # [B, S, Hkv, D]
-    v = v_pages[page_table].reshape(B, S, Hkv, D)
+    T = q.shape[1]
+    k, v = gather_kv(kv_pages, page_table)  # [B, S, Hkv, D]
+    S = k.shape[1]
     if T == 1 and block_mask is None and sliding_window is None:  # decode: keys [0, kv_len)
         return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=kv_len,
                                             implementation="cudnn")
@@ -42,10 +40,10 @@ def set_impl(name: str) -> None:
     _active = name
 
 
-def attend(q, k_pages, v_pages, meta, *, sliding_window=None):
+def attend(q, kv_pages, meta, *, sliding_window=None):
     """q: [B, T, H, D] over the pages named by meta (AttnMeta). Returns [B, T, H, D]."""
     name = _active
     if name == "auto":
         name = "cudnn" if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) else "reference"
-    return _IMPLS[name](q, k_pages, v_pages, meta.page_table, meta.q_start, meta.kv_len,
+    return _IMPLS[name](q, kv_pages, meta.page_table, meta.q_start, meta.kv_len,
                            meta.block_mask, sliding_window=sliding_window)

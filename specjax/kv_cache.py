@@ -13,21 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 
 # Logical axes of the cache arrays (tensor-parallel sharding maps these to a mesh).
-PAGE_AXES = ("pages", None, "kv_heads", None)  # [num_pages, page_size, Hkv, D]
+PAGE_AXES = ("pages", None, None, "kv_heads", None)  # [num_pages, page_size, 2 (K, V), Hkv, D]
 TRASH_PAGE = 0
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    k: list  # per layer [num_pages, page_size, Hkv, D]
-    v: list  # per layer [num_pages, page_size, Hkv, D]
+    kv: list  # per layer [num_pages, page_size, 2, Hkv, D]: K and V of a token side by side
+    #            (one scatter and one gather per layer and step instead of two each)
     page_table: jax.Array  # [max_slots, pages_per_slot] int32
     seq_lens: jax.Array  # [max_slots] int32: tokens whose K/V are in the cache
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.kv[0].shape[1]
 
     @property
     def pages_per_slot(self) -> int:
@@ -47,10 +47,9 @@ class AttnMeta:
 
 def init_cache(cfg, *, num_pages: int, page_size: int, max_slots: int, max_seq_len: int, dtype) -> KVCache:
     pages_per_slot = -(-max_seq_len // page_size)
-    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (num_pages, page_size, 2, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(
-        k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
-        v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+        kv=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
         page_table=jnp.zeros((max_slots, pages_per_slot), jnp.int32),
         seq_lens=jnp.zeros((max_slots,), jnp.int32),
     )
@@ -80,13 +79,12 @@ def step_meta(cache: KVCache, slots, num_new, T: int, block_mask=None) -> AttnMe
     )
 
 
-def write_kv(k_pages, v_pages, k_new, v_new, write_idx):
-    """Scatter new K/V [B, T, Hkv, D] into pages at flat indices write_idx [B, T]."""
-    n, ps, hkv, d = k_pages.shape
-    flat = write_idx.reshape(-1)
-    k_pages = k_pages.reshape(n * ps, hkv, d).at[flat].set(k_new.reshape(-1, hkv, d).astype(k_pages.dtype))
-    v_pages = v_pages.reshape(n * ps, hkv, d).at[flat].set(v_new.reshape(-1, hkv, d).astype(v_pages.dtype))
-    return k_pages.reshape(n, ps, hkv, d), v_pages.reshape(n, ps, hkv, d)
+def write_kv(kv_pages, k_new, v_new, write_idx):
+    """Scatter new K/V [B, T, Hkv, D] into pages [N, page_size, 2, Hkv, D] at flat indices write_idx [B, T]."""
+    n, ps, two, hkv, d = kv_pages.shape
+    new = jnp.stack([k_new, v_new], axis=2).reshape(-1, two, hkv, d).astype(kv_pages.dtype)  # [B*T, 2, Hkv, D]
+    flat = kv_pages.reshape(n * ps, two, hkv, d).at[write_idx.reshape(-1)].set(new)
+    return flat.reshape(n, ps, two, hkv, d)
 
 
 class PageAllocator:

@@ -13,8 +13,7 @@ from specjax import attention
 
 def _case(rng, B=3, T=4, H=8, Hkv=2, D=64, ps=16, P=8, dtype=jnp.bfloat16, tree=False):
     N = B * P + 1
-    k_pages = jnp.asarray(rng.normal(size=(N, ps, Hkv, D)), dtype)
-    v_pages = jnp.asarray(rng.normal(size=(N, ps, Hkv, D)), dtype)
+    kv_pages = jnp.asarray(rng.normal(size=(N, ps, 2, Hkv, D)), dtype)
     page_table = jnp.asarray(1 + rng.permutation(B * P).reshape(B, P), jnp.int32)
     q_start = jnp.asarray(rng.integers(0, P * ps - T, size=B), jnp.int32)
     kv_len = q_start + T
@@ -30,7 +29,7 @@ def _case(rng, B=3, T=4, H=8, Hkv=2, D=64, ps=16, P=8, dtype=jnp.bfloat16, tree=
                     m[b, i, j] = True
                     j = parent[j]
         block_mask = jnp.asarray(m)
-    return q, k_pages, v_pages, page_table, q_start, kv_len, block_mask
+    return q, kv_pages, page_table, q_start, kv_len, block_mask
 
 
 @pytest.mark.parametrize("tree,T", [(False, 4), (True, 4), (False, 1)])
@@ -48,8 +47,8 @@ def test_cudnn_matches_reference(tree, T):
 def test_auto_dispatch_picks_reference_on_cpu_and_f32():
     rng = np.random.default_rng(1)
     args = _case(rng, dtype=jnp.float32)
-    meta = type("M", (), dict(page_table=args[3], q_start=args[4], kv_len=args[5], block_mask=None))
-    out = attention.attend(args[0], args[1], args[2], meta)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(paged_attention_reference(*args[:6])))
+    meta = type("M", (), dict(page_table=args[2], q_start=args[3], kv_len=args[4], block_mask=None))
+    out = attention.attend(args[0], args[1], meta)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(paged_attention_reference(*args[:5])))
     with pytest.raises(ValueError, match="unknown attention implementation"):
         attention.set_impl("nope")

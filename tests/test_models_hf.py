@@ -111,7 +111,7 @@ def scattered_cache(cfg, dtype=jnp.float32, seed=0):
     perm = rng.permutation(np.arange(1, num_pages))[: 2 * pages_per_slot]
     table = perm.reshape(2, pages_per_slot).astype(np.int32)
     garbage = lambda a: jnp.asarray(rng.normal(0, 50.0, a.shape), dtype)  # noqa: E731
-    return dataclasses.replace(cache, k=[garbage(a) for a in cache.k], v=[garbage(a) for a in cache.v],
+    return dataclasses.replace(cache, kv=[garbage(a) for a in cache.kv],
                                page_table=jnp.asarray(table))
 
 
@@ -186,7 +186,7 @@ def test_bfloat16_close_to_float32(tmp_path_factory):
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, cfg.vocab_size, size=(2, T)).astype(np.int32)
     cache = scattered_cache(cfg, jnp.bfloat16)
-    assert cache.k[0].dtype == jnp.bfloat16
+    assert cache.kv[0].dtype == jnp.bfloat16
     logits, _, _, _ = run_prefill(model, cfg, tokens, LENS, cache=cache)
     for b, n in enumerate(LENS):
         ref_logits = hf_reference(hf, tokens[b, :n].tolist())[0]

@@ -81,7 +81,7 @@ def test_reference_matches_dense(page_size, mode):
     if block is not None:
         assert not np.array_equal(block[0], np.tril(np.ones((T, T), bool))), "tree should not be causal"
     out = paged_attention_reference(
-        jnp.asarray(q, jnp.float32), jnp.asarray(k_pages, jnp.float32), jnp.asarray(v_pages, jnp.float32),
+        jnp.asarray(q, jnp.float32), jnp.asarray(np.stack([k_pages, v_pages], 2), jnp.float32),
         jnp.asarray(table), jnp.asarray(prefix, jnp.int32), jnp.asarray(np.add(prefix, num_new), jnp.int32),
         None if block is None else jnp.asarray(block), sliding_window=window)
     out = np.asarray(out, np.float64)
@@ -105,7 +105,7 @@ def test_reference_bf16_close():
     rows_v = [rng.normal(size=(p + n, HKV, D)) for p, n in zip(prefix, num_new)]
     k_pages, v_pages, table = scatter_rows(rng, rows_k, rows_v, page_size, 12, 4)
     out = paged_attention_reference(
-        jnp.asarray(q, jnp.bfloat16), jnp.asarray(k_pages, jnp.bfloat16), jnp.asarray(v_pages, jnp.bfloat16),
+        jnp.asarray(q, jnp.bfloat16), jnp.asarray(np.stack([k_pages, v_pages], 2), jnp.bfloat16),
         jnp.asarray(table), jnp.asarray(prefix, jnp.int32), jnp.asarray(np.add(prefix, num_new), jnp.int32))
     assert out.dtype == jnp.bfloat16
     out = np.asarray(out, np.float64)
@@ -137,8 +137,8 @@ def test_write_indices_and_write_kv(page_size):
     v0 = rng.normal(size=(num_pages, page_size, HKV, D)).astype(np.float32)
     k_new = rng.normal(size=(B, T, HKV, D)).astype(np.float32)
     v_new = rng.normal(size=(B, T, HKV, D)).astype(np.float32)
-    kp, vp = write_kv(jnp.asarray(k0), jnp.asarray(v0), jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(idx))
-    kp, vp = np.asarray(kp), np.asarray(vp)
+    kvp = write_kv(jnp.asarray(np.stack([k0, v0], 2)), jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(idx))
+    kp, vp = np.asarray(kvp[:, :, 0]), np.asarray(kvp[:, :, 1])
     want_k, want_v = k0.copy(), v0.copy()
     for b in range(B):
         for t in range(num_new[b]):

@@ -152,7 +152,7 @@ def test_max_tokens_and_context_limit(world):
     assert reqs[4].token_ids == reqs[5].token_ids
     assert len(reqs[6].token_ids) == 6 and reqs[6].finish_reason == "length"
     assert len(reqs[7].token_ids) == 1 and reqs[7].finish_reason == "length"
-    assert eng.alloc.num_free == int(eng.state.cache.k[0].shape[0]) - 1
+    assert eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1
 
 
 # ----------------------------------------------------------------- Request alone, randomized

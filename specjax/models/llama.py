@@ -80,7 +80,7 @@ class Attention(nnx.Module):
         self.sliding_window = cfg.sliding_window
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(D, cfg.rope))
 
-    def __call__(self, x, positions, k_pages, v_pages, meta: AttnMeta):
+    def __call__(self, x, positions, kv_pages, meta: AttnMeta):
         # x: [B, T, E]
         q = _einsum("bte,ehd->bthd", x, self.wq[...])  # [B, T, H, D]
         k = _einsum("bte,ekd->btkd", x, self.wk[...])  # [B, T, K, D]
@@ -91,12 +91,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, self.inv_freq)
         k = apply_rope(k, positions, self.inv_freq)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.write_idx)
-        o = attention.attend(q, k_pages, v_pages, meta, sliding_window=self.sliding_window)
+        kv_pages = write_kv(kv_pages, k, v, meta.write_idx)
+        o = attention.attend(q, kv_pages, meta, sliding_window=self.sliding_window)
         out = _einsum("bthd,hde->bte", o, self.wo[...])  # [B, T, E]
         if self.o_bias:
             out = out + self.bo[...]
-        return out, k_pages, v_pages
+        return out, kv_pages
 
 
 class MLP(nnx.Module):
@@ -119,13 +119,13 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, k_pages, v_pages, meta):
+    def __call__(self, x, positions, kv_pages, meta):
         with jax.named_scope("attn"):
-            h, k_pages, v_pages = self.attn(self.attn_norm(x), positions, k_pages, v_pages, meta)
+            h, kv_pages = self.attn(self.attn_norm(x), positions, kv_pages, meta)
         x = x + h
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.mlp_norm(x))
-        return x, k_pages, v_pages
+        return x, kv_pages
 
 
 class Llama(nnx.Module):
@@ -142,15 +142,15 @@ class Llama(nnx.Module):
         """tokens, positions: [B, T] int32. Returns (final-normed hidden [B, T, E], cache,
         aux hidden states: input of layer i for i in aux_layers, i == num_layers: pre-norm output)."""
         x = self.embed[...][tokens]  # [B, T, E]
-        ks, vs, aux = list(cache.k), list(cache.v), {}
+        kvs, aux = list(cache.kv), {}
         for i, layer in enumerate(self.layers):  # unrolled: streams weights faster than lax.scan
             if i in aux_layers:
                 aux[i] = x
             with jax.named_scope(f"layer{i}"):
-                x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], meta)
+                x, kvs[i] = layer(x, positions, kvs[i], meta)
         if len(self.layers) in aux_layers:
             aux[len(self.layers)] = x
-        cache = KVCache(k=ks, v=vs, page_table=cache.page_table, seq_lens=cache.seq_lens)
+        cache = KVCache(kv=kvs, page_table=cache.page_table, seq_lens=cache.seq_lens)
         return self.norm(x), cache, tuple(aux[i] for i in aux_layers)
 
     def logits(self, h):  # [B, T, E] -> [B, T, V] float32
