@@ -153,3 +153,6 @@ class Engine:
             self._admit(queue)
             if any(r is not None for r in self.slots):
                 self._decode()
+            elif queue:  # nothing runs and the next request still does not fit
+                raise RuntimeError(f"request {queue[0].id} needs more KV pages than the cache has "
+                                   f"({self.alloc.num_free} free pages of {self.alloc.page_size} tokens)")

@@ -286,3 +286,11 @@ def test_single_slot_engine_and_steps_per_call(setup, steps_per_call):
                  BatchOptions(max_batch=1, steps_per_call=steps_per_call), jnp.float32)
     reqs = run(eng, make_requests(prompts[:4], GREEDY))
     assert [r.token_ids for r in reqs] == greedy_tokens[:4]
+
+
+def test_cache_too_small_raises_instead_of_hanging(setup):
+    cfg, model, prompts = setup[0], setup[1], setup[2]
+    eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, num_pages=3),
+                 BatchOptions(max_batch=2), jnp.float32)
+    with pytest.raises(RuntimeError, match="needs more KV pages"):
+        eng.run(make_requests([prompts[1]], GREEDY))  # 40 tokens need 11 pages of 4
