@@ -50,7 +50,11 @@ def cmd_generate(a) -> int:
                                 top_k=a.top_k, seed=a.seed)
     except SamplingParamsError as e:
         raise SystemExit(str(e))
-    llm = LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len)
+    spec = None
+    if a.draft is not None:
+        from specjax.tree import SpecConfig
+        spec = SpecConfig(method="draft", num_steps=a.num_steps, topk=a.topk, num_draft_tokens=a.num_draft_tokens)
+    llm = LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft, spec=spec)
     chat = a.chat if a.chat is not None else bool(llm.tokenizer.chat_template)
     prepared = [_prepare(r, llm, chat) for r in rows]
     outs = llm.generate([p for p, _, _ in prepared], params)
@@ -58,6 +62,8 @@ def cmd_generate(a) -> int:
         with open(a.output, "w") as f:
             for row, (_, text, used), o in zip(rows, prepared, outs):
                 rec = {"prompt": text, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+                if o.accept_len_mean is not None:
+                    rec["accept_len_mean"] = o.accept_len_mean
                 rec.update({k: v for k, v in row.items() if k not in used and k not in rec})
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     else:
@@ -65,6 +71,8 @@ def cmd_generate(a) -> int:
             if len(outs) > 1:
                 print(f"### {text}")
             print(o.text)
+            if o.accept_len_mean is not None:
+                print(f"[mean acceptance length {o.accept_len_mean:.2f}]", file=sys.stderr)
     return 0
 
 
@@ -104,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="apply the chat template (default when the model has one)")
     mode.add_argument("--raw", dest="chat", action="store_false", help="use prompts as they are")
     g.add_argument("--output", help="write one JSON object per prompt to this JSONL file")
+    g.add_argument("--draft", help="speculative decoding: a converted draft model dir, or 'self'")
+    g.add_argument("--num-steps", type=int, default=4, help="tokens drafted per step")
+    g.add_argument("--topk", type=int, default=1, help="draft tree branching (1 = chain; only 1 for now)")
+    g.add_argument("--num-draft-tokens", type=int, default=None)
     g.set_defaults(fn=cmd_generate)
 
     c = sub.add_parser("convert", help="convert an HF folder or a .gguf file to a specjax checkpoint")

@@ -45,17 +45,36 @@ def _stochastic(reqs) -> bool:
     return any(r is not None and r.params.temperature > 0 for r in reqs)
 
 
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """A speculative-decoding draft: a Llama-family model with the target's vocabulary."""
+    model: nnx.Module
+    cfg: object
+    num_steps: int  # chain length (tokens drafted per step)
+
+
 class Engine:
-    def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype):
+    def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
+                 draft: Draft | None = None):
         self.cfg = cfg
         self.cache_opts, self.batch_opts = cache_opts, batch_opts
-        self.steps, self.weights = decode.compile_steps(*nnx.split(model))
+        self.draft = draft
+        if draft is None:
+            self.steps, self.weights = decode.compile_steps(*nnx.split(model))
+        else:
+            from specjax import step
+            self.spec_steps, self.weights, self.draft_weights = step.compile_spec_steps(
+                *nnx.split(model), *nnx.split(draft.model))
         pages_per_slot = -(-cache_opts.max_seq_len // cache_opts.page_size)
         num_pages = cache_opts.num_pages or batch_opts.max_batch * pages_per_slot + 1
         self.alloc = PageAllocator(num_pages, cache_opts.page_size, pages_per_slot, batch_opts.max_batch)
         cache = init_cache(cfg, num_pages=num_pages, page_size=cache_opts.page_size,
                            max_slots=batch_opts.max_batch, max_seq_len=cache_opts.max_seq_len, dtype=dtype)
-        self.state = decode.DecodeState(cache, jnp.zeros((batch_opts.max_batch,), jnp.int32))
+        if draft is None:
+            self.state = decode.DecodeState(cache, jnp.zeros((batch_opts.max_batch,), jnp.int32))
+        else:
+            from specjax.step import init_spec_state
+            self.state = init_spec_state(cache, draft.cfg, dtype)
         self.slots: list[Request | None] = [None] * batch_opts.max_batch
         self.lens = np.zeros(batch_opts.max_batch, np.int64)  # host mirror of the device seq_lens
 
@@ -122,12 +141,43 @@ class Engine:
             lens[b], slots[b] = len(req.prompt_ids), slot
         reqs = [r for _, r in group] + [None] * (B - len(group))
         want_lp = any(r.logprobs is not None for _, r in group)
-        out, self.state = self.steps.prefill(self.weights, self.state, jnp.asarray(tokens),
-                                         jnp.asarray(lens), jnp.asarray(slots), self._samp(reqs), want_logprobs=want_lp,
-                                         stochastic=_stochastic(reqs))
+        if self.draft is None:
+            out, self.state = self.steps.prefill(self.weights, self.state, jnp.asarray(tokens), jnp.asarray(lens),
+                                                 jnp.asarray(slots), self._samp(reqs), want_logprobs=want_lp,
+                                                 stochastic=_stochastic(reqs))
+        else:
+            first, self.state = self.spec_steps.prefill(self.weights, self.draft_weights, self.state,
+                                                        jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(slots))
+            out = decode.StepOut(first)
         self._deliver(out, [(b, r) for b, (_, r) in enumerate(group)], stacked=False)
 
+    def _spec_decode(self):
+        """One fused speculative step (chain draft, greedy verify) for every busy slot."""
+        rows = [(i, r) for i, r in enumerate(self.slots) if r is not None]
+        K = self.draft.num_steps
+        cap = self.alloc.pages_per_slot * self.alloc.page_size
+        for i, _ in rows:
+            if not self.alloc.ensure(i, min(int(self.lens[i]) + K + 1, cap)):
+                raise RuntimeError("out of KV pages: raise num_pages or lower max_batch")
+        self._push_page_table()
+        B = max(2, self.batch_opts.max_batch)
+        active = np.array([r is not None for r in self.slots + [None] * (B - len(self.slots))])
+        out, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state,
+                                               jnp.arange(B, dtype=jnp.int32), jnp.asarray(active), num_steps=K)
+        toks, n_acc = np.asarray(out.tokens), np.asarray(out.num_accepted)
+        for i, req in rows:
+            n = int(n_acc[i])
+            self.lens[i] += n
+            req.accept_lens.append(n)
+            for t in toks[i, :n]:
+                if req.append(int(t)):
+                    self.slots[i] = None
+                    self.alloc.release(i)
+                    break
+
     def _decode(self):
+        if self.draft is not None:
+            return self._spec_decode()
         rows = [(i, r) for i, r in enumerate(self.slots) if r is not None]
         remaining = max(r.max_len - len(r.token_ids) for _, r in rows)
         K = min(self.batch_opts.steps_per_call, _bucket(remaining, 1, self.batch_opts.steps_per_call))

@@ -19,7 +19,11 @@ class PromptError(ValueError):
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "bfloat16", page_size: int = 16,
-                 max_batch: int = 8, max_seq_len: int = 2048, num_pages: int | None = None, seed: int = 0):
+                 max_batch: int = 8, max_seq_len: int = 2048, num_pages: int | None = None, seed: int = 0,
+                 draft: str | Path | None = None, spec=None):
+        """draft: None (plain decoding), "self" (the target drafts for itself: for testing) or the
+        directory of a converted Llama-family draft model with the target's vocabulary.
+        spec: specjax.tree.SpecConfig (default: a chain of 4 drafted tokens)."""
         from specjax.checkpoint import load_model, load_tokenizer
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -30,10 +34,32 @@ class LLM:
         self.cfg, module = load_model(self.model_dir, dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.max_seq_len = max_seq_len
+        self.spec = None
+        engine_draft = None
+        if draft is not None:
+            engine_draft = self._load_draft(draft, spec, module, dtype)
         self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages),
-                             BatchOptions(max_batch), DTYPES[dtype])
+                             BatchOptions(max_batch), DTYPES[dtype], draft=engine_draft)
         self._rng = random.Random(seed)
         self._next_id = 0
+
+    def _load_draft(self, draft, spec, target_module, dtype):
+        from specjax.checkpoint import load_model
+        from specjax.engine import Draft
+        from specjax.tree import SpecConfig
+        self.spec = spec or SpecConfig(method="draft", num_steps=4)
+        if self.spec.method != "draft":
+            raise ValueError(f"SpecConfig.method={self.spec.method!r} needs an EAGLE head, which is not "
+                             "supported yet; use method='draft' with a draft model")
+        if self.spec.topk != 1:
+            raise ValueError("tree drafting (topk > 1) is not supported yet; use topk=1 (a chain)")
+        if draft == "self":
+            return Draft(target_module, self.cfg, self.spec.num_steps)
+        draft_cfg, draft_module = load_model(draft, dtype)
+        if draft_cfg.vocab_size != self.cfg.vocab_size:
+            raise ValueError(f"draft model {draft} has vocab_size {draft_cfg.vocab_size}, the target has "
+                             f"{self.cfg.vocab_size}: a draft must share the target's vocabulary")
+        return Draft(draft_module, draft_cfg, self.spec.num_steps)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -54,6 +80,9 @@ class LLM:
         if len(ids) >= self.max_seq_len:
             raise PromptError(f"prompt {index} has {len(ids)} tokens; max_seq_len={self.max_seq_len} leaves "
                               f"no room to generate (prompt must be shorter than max_seq_len)")
+        if self.spec is not None and (params.temperature > 0 or params.logprobs is not None):
+            raise ValueError(f"prompt {index}: speculative decoding supports greedy decoding only for now "
+                             "(temperature=0, logprobs=None)")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         self._next_id += 1
         return Request(self._next_id - 1, text, ids, params, self.tokenizer, self.eos_ids, self.max_seq_len,

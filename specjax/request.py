@@ -15,6 +15,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length"
     logprobs: list[dict[int, float]] | None = None
+    accept_len_mean: float | None = None  # speculative decoding: mean tokens emitted per step
 
 
 class Request:
@@ -34,6 +35,7 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.text = ""
         self.finish_reason: str | None = None
+        self.accept_lens: list[int] = []  # tokens emitted by each speculative step
         self._scan_from = 0  # text length already searched for stop strings
         self._stop_cut: int | None = None  # text offset where a stop string begins
 
@@ -75,5 +77,6 @@ class Request:
         if self._stop_cut is not None:
             text = text[: self._stop_cut]
         self.text = text
+        mean = sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else None
         return RequestOutput(self.id, self.prompt, self.prompt_ids, text, list(self.token_ids),
-                             self.finish_reason, self.logprobs)
+                             self.finish_reason, self.logprobs, mean)

@@ -41,7 +41,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-SPEC_METHODS = ("eagle", "eagle3")
+SPEC_METHODS = ("draft", "eagle", "eagle3")
 
 
 def max_candidates(num_steps: int, topk: int) -> int:

@@ -182,3 +182,19 @@ def test_cli_refuses_bad_input(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "hi", "--top-p", "2"])
     assert "top_p" in str(e.value.code)
+
+
+def test_llm_draft_self_equals_plain(llm):
+    """LLM(draft="self"): greedy output equals plain decoding and every draft is accepted."""
+    from specjax import LLM
+    from specjax.tree import SpecConfig
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "def add(a, b):"]
+    spec = LLM(llm.model_dir, dtype="float32", max_batch=2, max_seq_len=128, draft="self",
+               spec=SpecConfig(method="draft", num_steps=3))
+    got = spec.generate(prompts, params)
+    want = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(o.accept_len_mean == 4.0 for o in got)
+    with pytest.raises(ValueError, match="greedy decoding only"):
+        spec.generate("hi", SamplingParams(temperature=0.7))

@@ -1,0 +1,83 @@
+"""Speculative decoding through the engine (chain draft, greedy) equals plain greedy decoding."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import IdTokenizer, tiny_config, tiny_model
+from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
+from specjax.request import Request
+from specjax.sampling_params import SamplingParams
+
+MAX_SEQ = 64
+LENS = (1, 40, 7, 16, 17, 3, 12)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_config()
+    target = tiny_model(cfg, seed=0)
+    other = tiny_model(tiny_config(num_hidden_layers=1), seed=5)  # a different draft, same vocab
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, 96, size=n)] for n in LENS]
+    return cfg, target, other, prompts
+
+
+def _engine(cfg, target, draft=None, page_size=4):
+    return Engine(target, cfg, CacheOptions(page_size=page_size, max_seq_len=MAX_SEQ), BatchOptions(max_batch=3),
+                  jnp.float32, draft=draft)
+
+
+def _run(eng, prompts, params):
+    reqs = [Request(i, None, p, params[i] if isinstance(params, list) else params, IdTokenizer(), (96,),
+                    MAX_SEQ, 0) for i, p in enumerate(prompts)]
+    eng.run(reqs)
+    assert all(s is None for s in eng.slots)
+    assert eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1  # no page leaked
+    return [r.output() for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def plain(setup):
+    cfg, target, _, prompts = setup
+    return _run(_engine(cfg, target), prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+
+
+@pytest.mark.parametrize("which,page_size,k", [("self", 4, 3), ("other", 16, 4), ("other", 4, 2)])
+def test_spec_equals_plain_greedy(setup, plain, which, page_size, k):
+    cfg, target, other, prompts = setup
+    draft = Draft(target, cfg, k) if which == "self" else Draft(other, other_cfg(), k)
+    outs = _run(_engine(cfg, target, draft, page_size), prompts,
+                SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(o.finish_reason == "length" for o in outs)
+    taus = [o.accept_len_mean for o in outs]
+    if which == "self":
+        assert taus == [k + 1] * len(outs)  # every drafted token accepted
+    else:
+        assert all(1 <= t <= k + 1 for t in taus) and min(taus) < k + 1
+
+
+def other_cfg():
+    return tiny_config(num_hidden_layers=1)
+
+
+def test_stops_inside_an_accepted_block(setup, plain):
+    """EOS / stop ids / max_tokens that fall inside one speculative step cut exactly where plain
+    decoding stops: same tokens, same finish reason, nothing after the stop."""
+    cfg, target, _, prompts = setup
+    params = []
+    for i, o in enumerate(plain):
+        toks = o.token_ids
+        if i % 3 == 0:
+            params.append(SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[toks[4]]))
+        elif i % 3 == 1:
+            params.append(SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        else:
+            params.append(SamplingParams(max_tokens=12, temperature=0, stop=[f"<{toks[6]}>"], ignore_eos=True))
+    want = _run(_engine(cfg, target), prompts, params)
+    got = _run(_engine(cfg, target, Draft(target, cfg, 4)), prompts, params)
+    for w, g in zip(want, got):
+        assert (g.token_ids, g.finish_reason, g.text) == (w.token_ids, w.finish_reason, w.text)
+    assert any(w.finish_reason == "stop" for w in want) and any(len(w.token_ids) == 5 for w in want)
