@@ -94,6 +94,26 @@ class Engine:
             seed=jnp.asarray([r.seed if r else 0 for r in reqs], jnp.uint32),
         )
 
+    def _reserve(self, rows, ahead: int):
+        """Pages for `ahead` more positions of every busy slot; then sync the device page table."""
+        cap = self.alloc.pages_per_slot * self.alloc.page_size
+        for i, _ in rows:
+            if not self.alloc.ensure(i, min(int(self.lens[i]) + ahead, cap)):
+                raise RuntimeError("out of KV pages: raise num_pages or lower max_batch")
+        self._push_page_table()
+
+    def _padded_rows(self) -> list[Request | None]:
+        """The slots, padded to >= 2 rows (see decode.decode); padding rows are inactive."""
+        return self.slots + [None] * (max(2, len(self.slots)) - len(self.slots))
+
+    def _append(self, slot: int, req: Request, token: int, logprob=None, top=None) -> bool:
+        """Give a token to a request; free its slot and pages when it finishes."""
+        if req.append(token, logprob, top):
+            self.slots[slot] = None
+            self.alloc.release(slot)
+            return True
+        return False
+
     def _deliver(self, out: decode.StepOut, rows: list[tuple[int, Request]], stacked: bool):
         """out fields are [B, ...] or, stacked, [K, B, ...] (K steps). Tokens computed after a
         request finished are dropped."""
@@ -103,10 +123,8 @@ class Engine:
         for b, req in rows:
             for k in range(toks.shape[0]):
                 top = None if lp is None else list(zip(top_ids[k, b].tolist(), top_lp[k, b].tolist()))
-                if req.append(int(toks[k, b]), None if lp is None else float(lp[k, b]), top):
-                    slot = self.slots.index(req)
-                    self.slots[slot] = None
-                    self.alloc.release(slot)
+                if self._append(self.slots.index(req), req, int(toks[k, b]),
+                                None if lp is None else float(lp[k, b]), top):
                     break
 
     # -- steps -----------------------------------------------------------------------------
@@ -155,24 +173,18 @@ class Engine:
         """One fused speculative step (chain draft, greedy verify) for every busy slot."""
         rows = [(i, r) for i, r in enumerate(self.slots) if r is not None]
         K = self.draft.num_steps
-        cap = self.alloc.pages_per_slot * self.alloc.page_size
-        for i, _ in rows:
-            if not self.alloc.ensure(i, min(int(self.lens[i]) + K + 1, cap)):
-                raise RuntimeError("out of KV pages: raise num_pages or lower max_batch")
-        self._push_page_table()
-        B = max(2, self.batch_opts.max_batch)
-        active = np.array([r is not None for r in self.slots + [None] * (B - len(self.slots))])
+        self._reserve(rows, K + 1)  # the verify writes positions L .. L + K
+        active = np.array([r is not None for r in self._padded_rows()])
         out, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state,
-                                               jnp.arange(B, dtype=jnp.int32), jnp.asarray(active), num_steps=K)
+                                               jnp.arange(len(active), dtype=jnp.int32), jnp.asarray(active),
+                                               num_steps=K)
         toks, n_acc = np.asarray(out.tokens), np.asarray(out.num_accepted)
         for i, req in rows:
             n = int(n_acc[i])
             self.lens[i] += n
             req.accept_lens.append(n)
             for t in toks[i, :n]:
-                if req.append(int(t)):
-                    self.slots[i] = None
-                    self.alloc.release(i)
+                if self._append(i, req, int(t)):
                     break
 
     def _decode(self):
@@ -181,13 +193,9 @@ class Engine:
         rows = [(i, r) for i, r in enumerate(self.slots) if r is not None]
         remaining = max(r.max_len - len(r.token_ids) for _, r in rows)
         K = min(self.batch_opts.steps_per_call, _bucket(remaining, 1, self.batch_opts.steps_per_call))
-        cap = self.alloc.pages_per_slot * self.alloc.page_size
-        for i, _ in rows:
-            if not self.alloc.ensure(i, min(int(self.lens[i]) + K, cap)):
-                raise RuntimeError("out of KV pages: raise num_pages or lower max_batch")
-        self._push_page_table()
-        B = max(2, self.batch_opts.max_batch)  # rows past max_batch are padding (see decode.decode)
-        reqs = self.slots + [None] * (B - len(self.slots))
+        self._reserve(rows, K)
+        reqs = self._padded_rows()
+        B = len(reqs)
         active = np.array([r is not None for r in reqs])
         want_lp = any(r.logprobs is not None for _, r in rows)
         out, self.state = self.steps.decode_many(self.weights, self.state, jnp.arange(B, dtype=jnp.int32),
