@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -114,16 +113,16 @@ class Engine:
             return True
         return False
 
-    def _deliver(self, out: decode.StepOut, rows: list[tuple[int, Request]], stacked: bool):
+    def _deliver(self, out: decode.StepOut, rows: list[tuple[int, int, Request]], stacked: bool):
         """out fields are [B, ...] or, stacked, [K, B, ...] (K steps). Tokens computed after a
         request finished are dropped."""
         host = [None if x is None else np.asarray(x) for x in (out.tokens, out.logprob, out.top_logprobs,
                                                                out.top_ids)]
         toks, lp, top_lp, top_ids = [x if x is None or stacked else x[None] for x in host]
-        for b, req in rows:
+        for b, slot, req in rows:  # (row of out, slot, request)
             for k in range(toks.shape[0]):
                 top = None if lp is None else list(zip(top_ids[k, b].tolist(), top_lp[k, b].tolist()))
-                if self._append(self.slots.index(req), req, int(toks[k, b]),
+                if self._append(slot, req, int(toks[k, b]),
                                 None if lp is None else float(lp[k, b]), top):
                     break
 
@@ -167,7 +166,7 @@ class Engine:
             first, self.state = self.spec_steps.prefill(self.weights, self.draft_weights, self.state,
                                                         jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(slots))
             out = decode.StepOut(first)
-        self._deliver(out, [(b, r) for b, (_, r) in enumerate(group)], stacked=False)
+        self._deliver(out, [(b, slot, r) for b, (slot, r) in enumerate(group)], stacked=False)
 
     def _spec_decode(self):
         """One fused speculative step (chain draft, greedy verify) for every busy slot."""
@@ -202,7 +201,7 @@ class Engine:
                                                  jnp.asarray(active), self._samp(reqs), num_steps=K,
                                                  want_logprobs=want_lp, stochastic=_stochastic(reqs))
         self.lens[active[: len(self.slots)]] += K
-        self._deliver(out, rows, stacked=True)
+        self._deliver(out, [(i, i, r) for i, r in rows], stacked=True)
 
     def run(self, requests: list[Request]) -> None:
         """Run requests to completion (continuous batching: freed slots admit queued requests)."""

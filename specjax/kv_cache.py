@@ -68,11 +68,14 @@ def write_indices(page_table, start, num_new, T: int, page_size: int):
 
 def step_meta(cache: KVCache, slots, num_new, T: int, block_mask=None) -> AttnMeta:
     """AttnMeta for appending num_new[b] (<= T) tokens to each slot in `slots`."""
-    page_table = cache.page_table[slots]
-    start = cache.seq_lens[slots]
+    return meta_at(cache.page_table[slots], cache.seq_lens[slots], num_new, T, cache.page_size, block_mask)
+
+
+def meta_at(page_table, start, num_new, T: int, page_size: int, block_mask=None) -> AttnMeta:
+    """AttnMeta for num_new[b] (<= T) new tokens at cache indices start[b].. of rows with pages page_table [B, P]."""
     return AttnMeta(
         page_table=page_table,
-        write_idx=write_indices(page_table, start, num_new, T, cache.page_size),
+        write_idx=write_indices(page_table, start, num_new, T, page_size),
         q_start=start,
         kv_len=start + num_new,
         block_mask=block_mask,

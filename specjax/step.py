@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.kv_cache import AttnMeta, KVCache, write_indices
+from specjax.kv_cache import KVCache, meta_at
 
 
 @jax.tree_util.register_dataclass
@@ -74,12 +74,6 @@ def init_spec_state(cache: KVCache, draft_cfg, dtype) -> SpecState:
                      prev_tokens=jnp.zeros((max_slots,), jnp.int32))
 
 
-def _meta(page_table, start, num_new, T: int, page_size: int) -> AttnMeta:
-    """AttnMeta for num_new[b] (<= T) new tokens at cache positions start[b].. (causal)."""
-    return AttnMeta(page_table=page_table, write_idx=write_indices(page_table, start, num_new, T, page_size),
-                    q_start=start, kv_len=start + num_new)
-
-
 def _argmax_at(model, h, idx):
     """Greedy token from hidden h [B, T, E] at per-row index idx [B] -> [B] int32."""
     h_sel = jnp.take_along_axis(h, idx[:, None, None], axis=1)  # [B, 1, E]
@@ -100,7 +94,7 @@ def spec_prefill(target_graphdef, target_params, draft_graphdef, draft_params, s
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     last = jnp.clip(lens - 1, 0, T - 1)
 
-    meta = _meta(state.cache.page_table[safe], jnp.zeros_like(lens), lens, T, state.cache.page_size)
+    meta = meta_at(state.cache.page_table[safe], jnp.zeros_like(lens), lens, T, state.cache.page_size)
     h, cache, _ = target(tokens, positions, state.cache, meta)
     first = _argmax_at(target, h, last)
     cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(lens, mode="drop"))
@@ -141,11 +135,11 @@ def spec_step(target_graphdef, target_params, draft_graphdef, draft_params, stat
     toks2 = jnp.where(lag[:, None] == 1, jnp.stack([prev, last], 1),
                       jnp.stack([last, jnp.zeros_like(last)], 1))
     pos2 = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
-    h, dcache, _ = draft(toks2, pos2, dcache, _meta(pt, start, (1 + lag) * act, 2, ps))
+    h, dcache, _ = draft(toks2, pos2, dcache, meta_at(pt, start, (1 + lag) * act, 2, ps))
     d = _argmax_at(draft, h, lag)  # d_1 (logits at x_L)
     drafts = [d]
     for j in range(1, k):  # feed d_j at L + j, get d_{j+1}
-        h, dcache, _ = draft(d[:, None], (L + j)[:, None], dcache, _meta(pt, L + j, act, 1, ps))
+        h, dcache, _ = draft(d[:, None], (L + j)[:, None], dcache, meta_at(pt, L + j, act, 1, ps))
         d = _argmax_at(draft, h, jnp.zeros_like(L))
         drafts.append(d)
     drafts = jnp.stack(drafts, axis=1)  # [B, k]
@@ -153,7 +147,7 @@ def spec_step(target_graphdef, target_params, draft_graphdef, draft_params, stat
     # ---- 2. verify: target over [x_L, d_1 .. d_k] at L .. L+k (causal chain)
     vtoks = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, k+1]
     vpos = L[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    h, cache, _ = target(vtoks, vpos, state.cache, _meta(pt, L, act * (k + 1), k + 1, ps))
+    h, cache, _ = target(vtoks, vpos, state.cache, meta_at(pt, L, act * (k + 1), k + 1, ps))
     tgt = jnp.argmax(target.logits(h), axis=-1).astype(jnp.int32)  # [B, k+1]
 
     # ---- 3. greedy accept: n = 1 + leading matches of d_j with tgt[j-1]
