@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 MAX_LOGPROBS = 20
+CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar", "choice")  # structured-output options, at most one
 
 
 class SamplingParamsError(ValueError):
@@ -21,6 +23,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token
+    json_schema: dict | str | None = None  # a JSON schema (dict, or a string holding a JSON object)
+    regex: str | None = None  # the output must match this regular expression
+    grammar: str | None = None  # the output must match this EBNF grammar (root rule `root`)
+    choice: list[str] | None = None  # the output must be exactly one of these strings
 
     def __post_init__(self):
         def bad(msg):
@@ -50,7 +56,63 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        self._check_constraint()
+
+    def _check_constraint(self) -> None:
+        """Types of the structured-output fields; their content is checked by specjax.grammar."""
+        given = [f for f in CONSTRAINT_FIELDS if getattr(self, f) is not None]
+        if len(given) > 1:
+            _invalid(f"at most one of {', '.join(CONSTRAINT_FIELDS)} may be set, got {' and '.join(given)}")
+        if self.json_schema is not None:
+            _schema_text(self.json_schema)
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                _invalid(f"{name} must be a non-empty string or None, got {v!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, (list, tuple)) \
+                    or not self.choice:
+                _invalid(f"choice must be a non-empty list of strings or None, got {self.choice!r}")
+            self.choice = list(self.choice)
+            if any(not isinstance(c, str) or not c for c in self.choice):
+                _invalid(f"choice must hold non-empty strings, got {self.choice!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """None, or a hashable ``(field name, canonical text)`` key of the output constraint.
+
+        Equal constraints give equal keys (a schema is re-serialised with sorted keys), so the
+        key can index a cache of compiled grammars.
+        """
+        if self.json_schema is not None:
+            return ("json_schema", _schema_text(self.json_schema))
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
+        if self.choice is not None:
+            return ("choice", json.dumps(self.choice, ensure_ascii=False))
+        return None
+
+
+def _invalid(msg: str):
+    raise SamplingParamsError(f"invalid SamplingParams: {msg}")
+
+
+def _schema_text(schema) -> str:
+    """Canonical JSON text of a schema given as a dict or as a string holding a JSON object."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            _invalid(f"json_schema is not valid JSON: {e}")
+    if not isinstance(schema, dict):
+        _invalid(f"json_schema must be a JSON object (dict or JSON string), got {type(schema).__name__}")
+    try:
+        return json.dumps(schema, sort_keys=True, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        _invalid(f"json_schema is not JSON-serialisable: {e}")

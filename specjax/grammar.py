@@ -1,0 +1,356 @@
+"""Grammar-constrained decoding: compile output constraints with xgrammar, track each request's
+parse state on the host, and turn it into token masks that a jitted step applies to the logits.
+
+Masks are xgrammar's packed layout: a row of ``W = ceil(vocab_size / 32)`` int32 words where bit
+``j`` of word ``w`` (least significant bit first) allows token ``32 * w + j``.
+
+Flow for one request:
+
+* :class:`GrammarCompiler` (one per engine/tokenizer) turns a constraint key, the
+  ``SamplingParams.constraint`` tuple ``(kind, text)``, into a compiled grammar; every distinct key
+  is compiled once and kept in a small LRU cache. Bad schemas, regexes, grammars or choices raise
+  :class:`GrammarError` (a ``ValueError``).
+* :class:`RequestGrammar` holds the request's matcher. The engine feeds it the accepted tokens
+  (:meth:`RequestGrammar.accept`) and asks for the mask of the next token
+  (:meth:`RequestGrammar.next_mask`) or, for speculative decoding, for one mask per node of a
+  draft tree (:meth:`RequestGrammar.tree_masks`).
+* :func:`apply_bitmask` (pure ``jnp``) sets the logits of disallowed tokens to ``-inf``.
+
+Once the grammar is finished and a stop token was accepted, the request is over; masks computed
+from that state allow the stop tokens only, so a bonus token sampled there is a stop token too.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import re
+import threading
+from collections.abc import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Constraint = tuple[str, str]  # (kind, canonical text), as SamplingParams.constraint returns it
+KINDS = ("json_schema", "regex", "grammar", "choice")
+_XGR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: (Check failed: \(.*?\) is false: )?", re.MULTILINE)
+
+
+class GrammarError(ValueError):
+    """The constraint itself is invalid (bad JSON schema, regex, EBNF grammar or choice list)."""
+
+
+class GrammarStateError(RuntimeError):
+    """Internal error: the engine fed a request's grammar a token that the grammar forbids."""
+
+
+def _xg():
+    import xgrammar
+
+    return xgrammar
+
+
+# ----------------------------------------------------------------------------- packed masks (numpy)
+
+def bitmask_width(vocab_size: int) -> int:
+    """Number of int32 words per mask row."""
+    return (int(vocab_size) + 31) // 32
+
+
+def pack_bool_mask(allowed: np.ndarray) -> np.ndarray:
+    """bool [..., V] -> packed int32 [..., ceil(V/32)]."""
+    allowed = np.asarray(allowed, bool)
+    v = allowed.shape[-1]
+    pad = np.zeros(allowed.shape[:-1] + (32 * bitmask_width(v) - v,), bool)
+    packed = np.packbits(np.concatenate([allowed, pad], -1), axis=-1, bitorder="little")  # [..., 4W] uint8
+    return np.ascontiguousarray(packed).view("<i4").astype(np.int32)
+
+
+def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """packed int32 [..., W] -> bool [..., vocab_size]; tokens beyond 32*W are disallowed."""
+    words = np.ascontiguousarray(np.asarray(bitmask, np.int32)).astype("<i4")
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little").astype(bool)  # [..., 32W]
+    if bits.shape[-1] >= vocab_size:
+        return bits[..., :vocab_size]
+    return np.concatenate([bits, np.zeros(bits.shape[:-1] + (vocab_size - bits.shape[-1],), bool)], -1)
+
+
+def full_mask(vocab_size: int) -> np.ndarray:
+    """[W] int32 allowing every token below vocab_size."""
+    return pack_bool_mask(np.ones(vocab_size, bool))
+
+
+def mask_of_tokens(token_ids: Iterable[int], vocab_size: int) -> np.ndarray:
+    """[W] int32 allowing exactly token_ids."""
+    allowed = np.zeros(vocab_size, bool)
+    allowed[np.asarray(list(token_ids), np.int64)] = True
+    return pack_bool_mask(allowed)
+
+
+def _allows(row: np.ndarray, token: int) -> bool:
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
+# ----------------------------------------------------------------------------- mask applier (jnp)
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits [..., V] with every token not allowed by bitmask [..., W] int32 set to -inf.
+
+    Pure ``jnp`` with static shapes (jit-safe). Leading dimensions broadcast; a V that is not a
+    multiple of 32 is fine, and tokens >= 32*W are disallowed.
+    """
+    vocab = logits.shape[-1]
+    words = jax.lax.bitcast_convert_type(jnp.asarray(bitmask, jnp.int32), jnp.uint32)  # [..., W]
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    bits = (words[..., :, None] >> shifts) & jnp.uint32(1)  # [..., W, 32]
+    bits = bits.reshape(words.shape[:-1] + (32 * words.shape[-1],))  # [..., 32W]
+    if bits.shape[-1] >= vocab:
+        bits = bits[..., :vocab]
+    else:
+        bits = jnp.pad(bits, [(0, 0)] * (bits.ndim - 1) + [(0, vocab - bits.shape[-1])])
+    return jnp.where(bits.astype(bool), logits, jnp.asarray(-jnp.inf, logits.dtype))
+
+
+# ----------------------------------------------------------------------------- building grammars
+
+def _reason(err: Exception) -> str:
+    """xgrammar's message without its log prefix (timestamp, C++ file and line)."""
+    return _XGR_LOG_PREFIX.sub("", str(err)).strip()
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_schema(text: str) -> None:
+    import jsonschema
+
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"invalid json_schema: not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise GrammarError(f"invalid json_schema: expected a JSON object, got {type(schema).__name__}")
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "<root>"
+        raise GrammarError(f"invalid json_schema at {where}: {e.message}") from None
+
+
+def choice_to_ebnf(choices: Sequence[str]) -> str:
+    """EBNF whose root matches exactly one of the strings (JSON string escapes are valid EBNF)."""
+    if isinstance(choices, str) or not choices or any(not isinstance(c, str) or not c for c in choices):
+        raise GrammarError(f"invalid choice: expected a non-empty list of non-empty strings, got {choices!r}")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def build_grammar(key: Constraint):
+    """xgrammar.Grammar for a constraint key (no tokenizer needed); GrammarError when invalid."""
+    xg = _xg()
+    if not (isinstance(key, tuple) and len(key) == 2 and key[0] in KINDS and isinstance(key[1], str)):
+        raise GrammarError(f"constraint must be a (kind, text) tuple with kind in {KINDS}, got {key!r}")
+    kind, text = key
+    try:
+        if kind == "json_schema":
+            _check_schema(text)
+            return xg.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+        if kind == "regex":
+            return xg.Grammar.from_regex(text)
+        if kind == "grammar":
+            return xg.Grammar.from_ebnf(text)
+        try:
+            choices = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"invalid choice: not a JSON list ({e})") from None
+        return xg.Grammar.from_ebnf(choice_to_ebnf(choices))
+    except RuntimeError as e:
+        raise GrammarError(f"invalid {kind} {_short(text)!r}: {_reason(e)}") from None
+
+
+# ----------------------------------------------------------------------------- compiler
+
+class GrammarCompiler:
+    """Compiles constraint keys against one tokenizer, once per distinct key (LRU cache).
+
+    ``vocab_size`` is the model's vocabulary size (the logits' last dimension); it may exceed the
+    tokenizer's, the extra ids are then never allowed. ``stop_token_ids`` defaults to the
+    tokenizer's EOS.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, *, stop_token_ids: Sequence[int] | None = None,
+                 max_threads: int = 2, cache_size: int = 256):
+        xg = _xg()
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self.width = bitmask_width(vocab_size)
+        stops = list(stop_token_ids) if stop_token_ids else None
+        self.tokenizer_info = xg.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                                stop_token_ids=stops)
+        self._compiler = xg.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # compilations done (cache misses)
+
+    def compile(self, key: Constraint):
+        """The compiled grammar (xgrammar.CompiledGrammar) of a constraint key; GrammarError if invalid."""
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        grammar = build_grammar(key)
+        try:
+            compiled = self._compiler.compile_grammar(grammar)
+        except RuntimeError as e:
+            raise GrammarError(f"cannot compile {key[0]} {_short(key[1])!r}: {_reason(e)}") from None
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[key] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, key: Constraint, stop_token_ids: Sequence[int] | None = None) -> RequestGrammar:
+        """A fresh RequestGrammar for a constraint key."""
+        return RequestGrammar(self.compile(key), stop_token_ids)
+
+
+# ----------------------------------------------------------------------------- per-request state
+
+def _sibling_links(parents: np.ndarray, skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First-child / next-sibling arrays [N] int64 (-1 = none); children of skip[i] nodes are cut."""
+    n = parents.shape[0]
+    first = np.full(n, -1, np.int64)
+    sibling = np.full(n, -1, np.int64)
+    last = np.full(n, -1, np.int64)
+    for i in range(1, n):
+        p = int(parents[i])
+        if skip[p]:
+            continue
+        if first[p] < 0:
+            first[p] = i
+        else:
+            sibling[last[p]] = i
+        last[p] = i
+    return first, sibling
+
+
+def _check_tree(tokens: np.ndarray, parents: np.ndarray, vocab_size: int) -> None:
+    if tokens.ndim != 1 or parents.shape != tokens.shape or tokens.shape[0] < 1:
+        raise ValueError(f"tree_masks wants tokens [N] and parents [N], got {tokens.shape} and {parents.shape}")
+    n = tokens.shape[0]
+    if parents[0] != -1 or np.any(parents[1:] < 0) or np.any(parents[1:] >= np.arange(1, n)):
+        raise ValueError(f"parents must be -1 for node 0 and in [0, i) for node i, got {parents.tolist()}")
+    if np.any(tokens[1:] < 0) or np.any(tokens[1:] >= vocab_size):
+        raise ValueError(f"draft tokens must lie in [0, {vocab_size}), got {tokens.tolist()}")
+
+
+class RequestGrammar:
+    """One request's position in its grammar.
+
+    The matcher's state is "after the last accepted token". ``stop_token_ids`` (the request's EOS
+    ids) end the grammar; None keeps the compiler's. Rollback is unlimited in xgrammar 0.2.8
+    (its ``max_rollback_tokens`` is deprecated and only warns), so tree traversals need no setting.
+    """
+
+    def __init__(self, compiled, stop_token_ids: Sequence[int] | None = None):
+        xg = _xg()
+        self.vocab_size = compiled.tokenizer_info.vocab_size
+        self.width = bitmask_width(self.vocab_size)
+        stops = [int(t) for t in stop_token_ids] if stop_token_ids else None
+        if stops and not all(0 <= t < self.vocab_size for t in stops):
+            raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size}), got {stops}")
+        self._matcher = xg.GrammarMatcher(compiled, override_stop_tokens=stops)
+        self.stop_token_ids = tuple(int(t) for t in self._matcher.stop_token_ids)
+        self._stop_mask = mask_of_tokens(self.stop_token_ids, self.vocab_size)  # [W]
+        self.num_accepted = 0
+
+    @property
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and a stop token was accepted."""
+        return self._matcher.is_terminated()
+
+    @property
+    def is_completed(self) -> bool:
+        """True when the tokens so far form a complete match (a stop token may come next)."""
+        return self._matcher.is_completed()
+
+    def accept(self, tokens: Iterable[int]) -> None:
+        """Advance by tokens the engine accepted. Stop tokens after termination are ignored; any
+        other token the grammar forbids raises GrammarStateError (verification never accepts one)."""
+        for t in tokens:
+            t = int(t)
+            if self.is_terminated and t in self.stop_token_ids:
+                continue
+            if self.is_terminated or not 0 <= t < self.vocab_size or not self._matcher.accept_token(t):
+                state = "terminated" if self.is_terminated else "active"
+                raise GrammarStateError(f"grammar ({state}) rejected token {t} after {self.num_accepted} "
+                                        "accepted tokens; masked verification should never accept it")
+            self.num_accepted += 1
+
+    def next_mask(self, out: np.ndarray | None = None) -> np.ndarray:
+        """Fill (and return) out [W] int32 with the tokens allowed next."""
+        if out is None:
+            out = np.empty(self.width, np.int32)
+        if out.shape != (self.width,) or out.dtype != np.int32 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a contiguous int32 array of shape ({self.width},), got "
+                             f"{out.dtype} {out.shape}")
+        if self.is_terminated:
+            out[:] = self._stop_mask
+        else:
+            self._matcher.fill_next_token_bitmask(out)
+        return out
+
+    def tree_masks(self, tokens: np.ndarray, parents: np.ndarray, *, native: bool = True) -> np.ndarray:
+        """Masks [N, W] int32 for a draft tree (tokens [N], parents [N], node 0 = the root).
+
+        Row i allows the tokens that may follow the path root..i; the root is already in the
+        matcher. A node whose token is illegal after its parent, and every node below it, gets an
+        all-zero row; a node that accepts a stop token (the grammar ends there) allows only the
+        stop tokens. The matcher's state is unchanged afterwards. ``native`` uses xgrammar's C++
+        traversal when it exists; False walks the tree in Python (accept + rollback).
+        """
+        tokens = np.asarray(tokens).astype(np.int64)
+        parents = np.asarray(parents).astype(np.int64)
+        _check_tree(tokens, parents, self.vocab_size)
+        n = tokens.shape[0]
+        out = np.zeros((n, self.width), np.int32)
+        stop = np.isin(tokens, self.stop_token_ids)
+        stop[0] = False
+        if not self.is_terminated:
+            first, sibling = _sibling_links(parents, stop)  # nothing is walked below a stop token
+            if native and hasattr(self._matcher, "traverse_draft_tree"):
+                self._matcher.traverse_draft_tree(first, sibling, tokens, out)
+            else:
+                self._walk(0, tokens, stop, first, sibling, out)
+        self._settle_rows(tokens, parents, stop, out)
+        return out
+
+    def _walk(self, node: int, tokens: np.ndarray, stop: np.ndarray, first: np.ndarray,
+              sibling: np.ndarray, out: np.ndarray) -> None:
+        """Depth-first: fill node's row, then visit each non-stop child that the matcher accepts
+        (stop-token rows are written by _settle_rows)."""
+        self._matcher.fill_next_token_bitmask(out, node)
+        child = int(first[node])
+        while child >= 0:
+            token = int(tokens[child])
+            if not stop[child] and _allows(out[node], token) and self._matcher.accept_token(token):
+                self._walk(child, tokens, stop, first, sibling, out)
+                self._matcher.rollback(1)
+            child = int(sibling[child])
+
+    def _settle_rows(self, tokens: np.ndarray, parents: np.ndarray, stop: np.ndarray, out: np.ndarray) -> None:
+        """Zero the rows of unreachable nodes; give stop-token nodes (and a finished root) stop-only rows."""
+        if self.is_terminated:
+            out[0] = self._stop_mask
+        legal = np.zeros(tokens.shape[0], bool)
+        legal[0] = True
+        for i in range(1, tokens.shape[0]):
+            p = int(parents[i])
+            legal[i] = legal[p] and _allows(out[p], int(tokens[i]))
+            if not legal[i]:
+                out[i] = 0
+            elif stop[i]:
+                out[i] = self._stop_mask
