@@ -1,15 +1,24 @@
-"""Fused speculative step (chain, draft model) vs a plain decode step, on the GPU machine.
+"""Fused speculative step vs plain decode step vs an unfused variant, on the GPU machine.
 
-    python scripts/bench_spec.py --shapes llama3.1-8b,smollm2-135m --batches 1,32 --num-steps 4
+    python scripts/bench_spec.py --shapes llama3.1-8b --batches 1,32 --configs chain5,tree4x16
 
-Random bf16 weights on the device. The draft is a small Llama with the target's vocabulary
-(2 layers, hidden 1024 for the 8B shape; 2 layers of the target's width for SmolLM2). Reported:
-ms per plain decode step, ms per fused spec step (draft k tokens + verify k+1 + accept), and
-their ratio: with acceptance length tau, speculation pays when tau > ratio.
+Random bf16 weights on the device: the target of the named shape and a random EAGLE-3 head of
+matching size (one decoder layer of the target's width, draft vocabulary 32000 or V/3, aux
+layers 2, L/2, L-3). Reported per configuration:
+  plain_ms    one plain decode step (T = 1), greedy
+  fused_ms    one fused spec step: verify the tree + accept + compact + draft extend + next tree
+  unfused_ms  the same work as two jitted programs (verify+accept | draft) with a host read of the
+              accepted tokens in between, as an engine without the fused step would run it
+  ratio       fused_ms / plain_ms: with mean acceptance length tau, speculation pays when tau > ratio.
+Configs: chainK = chain of K drafted tokens; treeKxM[dS] = topk K, num_draft_tokens M, num_steps S
+(default 5). --breakdown also times the parts alone: the target forward over the tree, verify +
+accept (+ compaction), and the draft part (extend + growth).
+Lengths grow during the run (context .. context + steps * (S + 1)); random heads accept little.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -24,85 +33,160 @@ from flax import nnx  # noqa: E402
 
 from specjax import decode, step  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
+from specjax.drafter import DraftInfo  # noqa: E402
 from specjax.kv_cache import init_cache  # noqa: E402
+from specjax.models.eagle import EagleConfig, EagleHead  # noqa: E402
 from specjax.models.llama import Llama  # noqa: E402
 from specjax.sampling import SamplingArrays  # noqa: E402
 from specjax.shapes import SHAPES, shape_config  # noqa: E402
+from specjax.tree import SpecConfig  # noqa: E402
 
 
-def draft_config(shape: str) -> ModelConfig:
-    d = dict(SHAPES[shape], num_hidden_layers=2)
-    if d["hidden_size"] > 1024:
-        d.update(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=8)
-    return ModelConfig.from_hf_dict(d)
+def eagle3_head(shape: str, cfg: ModelConfig, dtype):
+    d = dict(SHAPES[shape], num_hidden_layers=1, tie_word_embeddings=False)
+    layer = ModelConfig.from_hf_dict(d)
+    L = cfg.num_layers
+    ecfg = EagleConfig(method="eagle3", layer=layer, target_vocab_size=cfg.vocab_size,
+                       draft_vocab_size=min(32000, cfg.vocab_size // 3), aux_layers=(2, L // 2, L - 3),
+                       fc_bias=False)
+    head = EagleHead(ecfg, dtype, nnx.Rngs(1))
+    vd = ecfg.draft_vocab_size
+    ids = np.sort(np.random.default_rng(0).choice(cfg.vocab_size, vd, replace=False)).astype(np.int32)
+    head.d2t[...] = jnp.asarray(ids - np.arange(vd, dtype=np.int32))
+    return head, ecfg
+
+
+def parse_config(name: str) -> SpecConfig:
+    if name.startswith("chain"):
+        k = int(name[5:])
+        return SpecConfig(method="eagle3", num_steps=k, topk=1)
+    body, _, depth = name[4:].partition("d")
+    k, m = (int(x) for x in body.split("x"))
+    return SpecConfig(method="eagle3", num_steps=int(depth or 5), topk=k, num_draft_tokens=m)
 
 
 def timed(fn, state, steps):
-    out, state = fn(state)
-    jax.block_until_ready(out)
+    for _ in range(2):  # compile + warm up
+        out, state = fn(state)
+    jax.block_until_ready((out, state))
     t0 = time.perf_counter()
     for _ in range(steps):
         out, state = fn(state)
-    jax.block_until_ready(out)
+    jax.block_until_ready((out, state))
     return (time.perf_counter() - t0) / steps, state
 
 
-def bench(shape, batch, k, context, max_seq_len, page_size, steps):
-    cfg, dcfg = shape_config(shape), draft_config(shape)
-    target, draft = Llama(cfg, jnp.bfloat16, nnx.Rngs(0)), Llama(dcfg, jnp.bfloat16, nnx.Rngs(1))
-    rows = max(2, batch)
+def make_cache(cfg, rows, max_seq_len, page_size, dtype, context=None):
     P = max_seq_len // page_size
-
-    def cache():
-        c = init_cache(cfg, num_pages=rows * P + 1, page_size=page_size, max_slots=rows,
-                       max_seq_len=max_seq_len, dtype=jnp.bfloat16)
-        c.page_table = jnp.asarray(1 + np.arange(rows * P, dtype=np.int32).reshape(rows, P))
+    c = init_cache(cfg, num_pages=rows * P + 1, page_size=page_size, max_slots=rows, max_seq_len=max_seq_len,
+                   dtype=dtype)
+    c.page_table = jnp.asarray(1 + np.arange(rows * P, dtype=np.int32).reshape(rows, P))
+    if context is not None:
         c.seq_lens = jnp.full((rows,), context, jnp.int32)
-        return c
+    return c
 
+
+def bench_plain(target, cfg, batch, context, max_seq_len, page_size, steps):
+    rows = max(2, batch)
     slots = jnp.arange(rows, dtype=jnp.int32)
     active = jnp.arange(rows) < batch
-    samp = SamplingArrays(jnp.zeros((rows,)), jnp.ones((rows,)), jnp.zeros((rows,), jnp.int32),
-                          jnp.zeros((rows,), jnp.uint32))
     fns, w = decode.compile_steps(*nnx.split(target))
-    plain_s, _ = timed(lambda s: fns.decode(w, s, slots, active, samp, stochastic=False),
-                       decode.DecodeState(cache(), jnp.ones((rows,), jnp.int32)), steps)
+    st = decode.DecodeState(make_cache(cfg, rows, max_seq_len, page_size, jnp.bfloat16, context),
+                            jnp.ones((rows,), jnp.int32))
+    t, _ = timed(lambda s: fns.decode(w, s, slots, active, None, stochastic=False), st, steps)
+    return t
 
-    sfns, tw, dw = step.compile_spec_steps(*nnx.split(target), *nnx.split(draft))
-    st = step.init_spec_state(cache(), dcfg, jnp.bfloat16)
-    st.draft_seq_lens = jnp.full((rows,), context, jnp.int32)
 
-    def spec(s):  # keep lengths fixed so every timed step sees the same context
-        s.cache.seq_lens = jnp.full((rows,), context, jnp.int32)
-        s.draft_seq_lens = jnp.full((rows,), context, jnp.int32)
-        return sfns.step(tw, dw, s, slots, active, num_steps=k)
-    spec_s, _ = timed(spec, st, steps)
-    return dict(shape=shape, batch=batch, num_steps=k, plain_ms=plain_s * 1e3, spec_ms=spec_s * 1e3,
-                ratio=spec_s / plain_s)
+def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_size, steps, breakdown=False):
+    rows = max(2, batch)
+    slots = jnp.arange(rows, dtype=jnp.int32)
+    active = jnp.arange(rows) < batch
+    info = DraftInfo("eagle3", ecfg.aux_layers)
+    tgd, tp = nnx.split(target)
+    dgd, dp = nnx.split(head)
+    fns, tw, dw = step.compile_spec_steps(info, spec, tgd, tp, dgd, dp)
+    dkv = make_cache(ecfg.layer, rows, max_seq_len, page_size, jnp.bfloat16).kv
+    state = step.init_spec_state(make_cache(cfg, rows, max_seq_len, page_size, jnp.bfloat16), dkv, spec,
+                                 cfg.vocab_size, sample_drafts=False)
+    toks = jax.random.randint(jax.random.key(0), (rows, context), 0, cfg.vocab_size, jnp.int32)
+    lens = jnp.where(active, context, 0).astype(jnp.int32)
+    _, state = fns.prefill(tw, dw, state, toks, lens, slots, None, stochastic=False)
+    jax.block_until_ready(state)
+
+    fused, state = timed(lambda s: fns.step(tw, dw, s, slots, active, None, stochastic=False), state, steps)
+
+    # unfused: verify + accept (+ compaction) | host read | draft extend + next tree. The state is
+    # donated to both programs; the first hands over the compacted cache inside the state.
+    t_def, d_def = jax.tree.structure(tp), jax.tree.structure(dp)
+
+    def part1(tw, s):
+        ver = step.verify_forward(info, spec, nnx.merge(tgd, jax.tree.unflatten(t_def, tw)), s, slots, active)
+        acc = step.accept(spec, s, ver, slots, active, None, False, False)
+        return (ver.h, ver.aux, acc.out, acc.accept_idx, acc.bonus), dataclasses.replace(s, cache=acc.cache)
+
+    def part2(tw, dw, s, h, aux, out, idx, bonus):
+        ver = step.Verified(logits=None, h=h, aux=aux, cache=None)
+        acc = step.Accepted(out=out, accept_idx=idx, bonus=bonus, cache=s.cache)
+        return step.draft_next(info, spec, nnx.merge(tgd, jax.tree.unflatten(t_def, tw)),
+                               nnx.merge(dgd, jax.tree.unflatten(d_def, dw)), s, ver, acc, slots, active,
+                               None, False)
+
+    p1 = jax.jit(part1, donate_argnums=(1,))
+    p2 = jax.jit(part2, donate_argnums=(2,))
+
+    def unfused(s):
+        mid, s = p1(tw, s)
+        np.asarray(mid[2].tokens)  # the host reads the accepted tokens before drafting
+        return mid[2], p2(tw, dw, s, *mid)
+
+    unf, state = timed(unfused, state, steps)
+    parts = {}
+    if breakdown:  # each part alone, repeatedly on the same inputs
+        fwd = jax.jit(lambda tw, s: step.verify_forward(info, spec, nnx.merge(tgd, jax.tree.unflatten(t_def, tw)),
+                                                        s, slots, active).logits)
+        parts["target_fwd_ms"] = timed(lambda s: (fwd(tw, s), s), state, steps)[0] * 1e3
+        p1n = jax.jit(part1)
+        parts["verify_accept_ms"] = timed(lambda s: (p1n(tw, s)[0][2].tokens, s), state, steps)[0] * 1e3
+        mid, state = p1(tw, state)
+        p2n = jax.jit(part2)
+        parts["draft_ms"] = timed(lambda s: (p2n(tw, dw, s, *mid).draft_seq_lens, s), state, steps)[0] * 1e3
+    n = np.asarray(fns.step(tw, dw, state, slots, active, None, stochastic=False)[0].num_accepted)
+    return fused, unf, float(n[:batch].mean()), parts
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="llama3.1-8b,smollm2-135m")
     p.add_argument("--batches", default="1,32")
-    p.add_argument("--num-steps", type=int, default=4)
+    p.add_argument("--configs", default="chain5,tree4x16")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--breakdown", action="store_true")
     a = p.parse_args()
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
     rows = []
     for shape in a.shapes.split(","):
+        cfg = shape_config(shape)
+        target = Llama(cfg, jnp.bfloat16, nnx.Rngs(0))
+        head, ecfg = eagle3_head(shape, cfg, jnp.bfloat16)
         for b in map(int, a.batches.split(",")):
-            r = bench(shape, b, a.num_steps, a.context, a.max_seq_len, a.page_size, a.steps)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-    print("| shape | batch | k | plain step ms | fused spec step ms | ratio |")
-    print("|---|---|---|---|---|---|")
+            plain = bench_plain(target, cfg, b, a.context, a.max_seq_len, a.page_size, a.steps)
+            for name in a.configs.split(","):
+                spec = parse_config(name)
+                fused, unf, tau, parts = bench_spec(target, cfg, head, ecfg, spec, b, a.context, a.max_seq_len,
+                                                    a.page_size, a.steps, a.breakdown)
+                r = dict(shape=shape, batch=b, config=name, num_steps=spec.num_steps, topk=spec.topk,
+                         num_draft_tokens=spec.num_draft_tokens, plain_ms=plain * 1e3, fused_ms=fused * 1e3,
+                         unfused_ms=unf * 1e3, ratio=fused / plain, random_head_tau=tau, **parts)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    print("| shape | batch | config | plain ms | fused ms | unfused ms | fused/plain |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['batch']} | {r['num_steps']} | {r['plain_ms']:.3f} | {r['spec_ms']:.3f} "
-              f"| {r['ratio']:.2f} |")
+        print(f"| {r['shape']} | {r['batch']} | {r['config']} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} "
+              f"| {r['unfused_ms']:.3f} | {r['ratio']:.2f} |")
 
 
 if __name__ == "__main__":

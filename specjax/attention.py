@@ -11,7 +11,7 @@ from pallas_kernels.paged_attention import gather_kv, paged_attention_reference,
 
 
 def paged_attention_cudnn(q, kv_pages, page_table, q_start, kv_len, block_mask=None,
-                          *, sliding_window=None, scale=None):
+                          *, sliding_window=None, scale=None, mask_start=None):
     """Same contract as the reference; the softmax(QK^T)V part runs as one cuDNN fused kernel
     (GPU, bf16/fp16 only). Gathering the pages stays in XLA."""
     T = q.shape[1]
@@ -20,7 +20,7 @@ def paged_attention_cudnn(q, kv_pages, page_table, q_start, kv_len, block_mask=N
     if T == 1 and block_mask is None and sliding_window is None:  # decode: keys [0, kv_len)
         return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=kv_len,
                                             implementation="cudnn")
-    mask = visibility_mask(q_start, kv_len, S, T, block_mask, sliding_window)[:, None]  # [B, 1, T, S]
+    mask = visibility_mask(q_start, kv_len, S, T, block_mask, sliding_window, mask_start)[:, None]  # [B, 1, T, S]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
 
 
@@ -46,4 +46,4 @@ def attend(q, kv_pages, meta, *, sliding_window=None):
     if name == "auto":
         name = "cudnn" if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) else "reference"
     return _IMPLS[name](q, kv_pages, meta.page_table, meta.q_start, meta.kv_len,
-                           meta.block_mask, sliding_window=sliding_window)
+                           meta.block_mask, sliding_window=sliding_window, mask_start=meta.mask_start)

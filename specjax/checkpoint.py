@@ -184,3 +184,109 @@ def _check_flat(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], what: str)
         problems.append(f"shape mismatch: {'; '.join(bad[:6])}")
     if problems:
         raise CheckpointError(f"{what} does not match the config ({cfg.architecture}): " + " | ".join(problems))
+
+
+# ---- draft heads (EAGLE-1 / EAGLE-3): same layout, specjax.json carries "kind" ----
+
+DRAFT_KINDS = ("eagle", "eagle3")
+
+
+def save_draft_dir(out_dir: str | Path, flat: dict[str, np.ndarray], hf_config: dict, dtype: str,
+                   source: str = "") -> Path:
+    """Write a draft head directory: config.json (with its "specjax_draft" entry), params/ (floats in
+    dtype, d2t int32) and, last, specjax.json with "kind" = the head's method."""
+    import orbax.checkpoint as ocp
+
+    from specjax.models.eagle import EagleConfig
+
+    name = dtype_name(dtype)
+    cfg = EagleConfig.from_hf_dict(hf_config, None)
+    _check_draft_flat(cfg, {k: tuple(v.shape) for k, v in flat.items()}, what="draft parameters to save")
+    out = prepare_out_dir(out_dir)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    np_dtype = np.dtype(DTYPES[name])
+    params = {k: np.asarray(v).astype(np.int32 if k == "d2t" else np_dtype, copy=False) for k, v in flat.items()}
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save((out / "params").absolute(), params)
+    ckpt.wait_until_finished()
+    ckpt.close()
+    meta = {"format_version": FORMAT_VERSION, "kind": cfg.method, "dtype": name, "source": str(source),
+            "num_params": int(sum(v.size for v in params.values()))}
+    (out / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    (out / IN_PROGRESS).unlink(missing_ok=True)
+    return out
+
+
+def load_draft(draft_dir: str | Path, target_cfg: ModelConfig, dtype: Any = None):
+    """(EagleHead, EagleConfig) of a converted draft head, checked against the target's config;
+    float parameters in dtype (default: the checkpoint's dtype)."""
+    import orbax.checkpoint as ocp
+
+    from specjax.config import ConfigError
+    from specjax.models.eagle import EagleConfig, EagleHead
+
+    d = Path(draft_dir)
+    if not d.is_dir():
+        raise CheckpointError(f"draft directory {d} does not exist")
+    meta = read_meta(d)
+    if meta.get("kind") not in DRAFT_KINDS:
+        raise CheckpointError(f"{d / MARKER}: not a converted draft head (kind={meta.get('kind')!r}; "
+                              f"expected one of {', '.join(DRAFT_KINDS)}; convert with `specjax convert --draft`)")
+    if not (d / "config.json").is_file():
+        raise CheckpointError(f"draft directory {d} has no config.json")
+    try:
+        cfg = EagleConfig.from_dir(d, target_cfg)
+    except ConfigError as e:
+        raise CheckpointError(f"{d / 'config.json'}: {e}") from None
+    params_dir = (d / "params").absolute()
+    if not params_dir.is_dir():
+        raise CheckpointError(f"draft directory {d} has no params/ checkpoint")
+    ckpt = ocp.StandardCheckpointer()
+    try:
+        try:
+            tree = ckpt.metadata(params_dir).item_metadata.tree
+            shapes = {k: tuple(v.shape) for k, v in tree.items()}
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for broken directories
+            raise CheckpointError(f"{params_dir} is missing or corrupt: {type(e).__name__}: {e}") from e
+        _check_draft_flat(cfg, shapes, what=f"checkpoint {params_dir}")
+        fdtype = np.dtype(DTYPES[dtype_name(dtype if dtype is not None else meta.get("dtype", "float32"))])
+        target = {k: jax.ShapeDtypeStruct(s, np.int32 if k == "d2t" else fdtype) for k, s in shapes.items()}
+        try:
+            flat = ckpt.restore(params_dir, target)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{params_dir} is corrupt, cannot restore: {type(e).__name__}: {e}") from e
+    finally:
+        ckpt.close()
+    abstract = nnx.eval_shape(lambda: EagleHead(cfg, DTYPES[fdtype.name], rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    pure = nnx.to_pure_dict(state)
+
+    def fill(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                fill(value, name + ".")
+            else:
+                node[key] = jnp.asarray(flat[name])  # names/shapes checked against eagle.param_specs
+    fill(pure, "")
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state), cfg
+
+
+def _check_draft_flat(cfg, shapes: dict[str, tuple[int, ...]], what: str) -> None:
+    from specjax.models.eagle import param_specs as draft_specs
+
+    specs = draft_specs(cfg)
+    missing = sorted(set(specs) - set(shapes))
+    extra = sorted(set(shapes) - set(specs))
+    bad = [f"{k}: {shapes[k]} != expected {specs[k][0]}" for k in sorted(set(specs) & set(shapes))
+           if tuple(shapes[k]) != tuple(specs[k][0])]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} parameter(s): {', '.join(missing[:6])}")
+    if extra:
+        problems.append(f"unexpected {len(extra)} parameter(s): {', '.join(extra[:6])}")
+    if bad:
+        problems.append(f"shape mismatch: {'; '.join(bad[:6])}")
+    if problems:
+        raise CheckpointError(f"{what} does not match the {cfg.method} head config: " + " | ".join(problems))

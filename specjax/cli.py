@@ -51,8 +51,9 @@ def cmd_generate(a) -> int:
         raise SystemExit(str(e))
     spec = None
     if a.draft is not None:
+        from specjax.llm import draft_method
         from specjax.tree import SpecConfig
-        spec = SpecConfig(method="draft", num_steps=a.num_steps, topk=a.topk, num_draft_tokens=a.num_draft_tokens)
+        spec = SpecConfig(method=draft_method(a.draft), num_steps=a.num_steps, topk=a.topk, num_draft_tokens=a.num_draft_tokens)
     llm = LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft, spec=spec)
     chat = a.chat if a.chat is not None else bool(llm.tokenizer.chat_template)
     prepared = [_prepare(r, llm, chat) for r in rows]
@@ -76,8 +77,8 @@ def cmd_generate(a) -> int:
 
 
 def cmd_convert(a) -> int:
-    from specjax.convert import convert
-    convert(a.src, a.out, dtype=a.dtype)
+    from specjax.convert import convert, convert_draft
+    (convert_draft if a.draft else convert)(a.src, a.out, dtype=a.dtype)
     print(f"converted {a.src} -> {a.out}")
     return 0
 
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", help="write one JSON object per prompt to this JSONL file")
     g.add_argument("--draft", help="speculative decoding: a converted draft model dir, or 'self'")
     g.add_argument("--num-steps", type=int, default=4, help="tokens drafted per step")
-    g.add_argument("--topk", type=int, default=1, help="draft tree branching (1 = chain; only 1 for now)")
+    g.add_argument("--topk", type=int, default=1, help="draft tree branching (1 = chain)")
     g.add_argument("--num-draft-tokens", type=int, default=None)
     g.set_defaults(fn=cmd_generate)
 
@@ -121,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src")
     c.add_argument("out")
     c.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    c.add_argument("--draft", action="store_true",
+                   help="SRC is an EAGLE-1 / EAGLE-3 draft head folder (config.json + weights)")
     c.set_defaults(fn=cmd_convert)
 
     d = sub.add_parser("download-default", help="fetch and convert SmolLM2-135M-Instruct")

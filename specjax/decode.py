@@ -41,6 +41,24 @@ def _finish(model, h_last, samp, positions, want_logprobs, stochastic):
     return StepOut(tokens, *sampling.token_logprobs(logits, tokens))
 
 
+def target_prefill(model, cache: KVCache, tokens, lens, slots, samp, want_logprobs, stochastic,
+                   aux_layers: tuple[int, ...] = ()):
+    """Prefill ragged prompts from position 0 and sample the first token (shared by the plain and
+    the speculative paths). Returns (StepOut, h [B, T, E], aux hidden states, cache with the
+    slots' lengths set)."""
+    B, T = tokens.shape
+    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(0, mode="drop"))
+    safe_slots = jnp.clip(slots, 0, cache.seq_lens.shape[0] - 1)
+    meta = step_meta(cache, safe_slots, lens, T)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h, cache, aux = model(tokens, positions, cache, meta, aux_layers)
+    last = jnp.clip(lens - 1, 0, T - 1)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, E]
+    out = _finish(model, h_last, samp, lens, want_logprobs, stochastic)
+    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(lens, mode="drop"))
+    return out, h, aux, cache
+
+
 def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, want_logprobs=False,
             stochastic=True):
     """Prefill ragged prompts from position 0.
@@ -49,17 +67,7 @@ def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, wan
     slots: [B] int32 (padding rows may hold any index >= max_slots). Returns (StepOut, state).
     """
     model = nnx.merge(graphdef, params)
-    B, T = tokens.shape
-    cache = state.cache
-    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(0, mode="drop"))
-    safe_slots = jnp.clip(slots, 0, cache.seq_lens.shape[0] - 1)
-    meta = step_meta(cache, safe_slots, lens, T)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h, cache, _ = model(tokens, positions, cache, meta)
-    last = jnp.clip(lens - 1, 0, T - 1)
-    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, E]
-    out = _finish(model, h_last, samp, lens, want_logprobs, stochastic)
-    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(lens, mode="drop"))
+    out, _, _, cache = target_prefill(model, state.cache, tokens, lens, slots, samp, want_logprobs, stochastic)
     last_tokens = state.last_tokens.at[slots].set(out.tokens, mode="drop")
     return out, DecodeState(cache, last_tokens)
 

@@ -39,6 +39,12 @@ def _bucket(n: int, lo: int, hi: int) -> int:
     return min(b, hi) if hi >= n else b
 
 
+def _host(out, to_rows):
+    """(tokens, logprob, top_logprobs, top_ids) of a step output as host arrays [B, K, ...]."""
+    return tuple(None if x is None else to_rows(np.asarray(x))
+                 for x in (out.tokens, out.logprob, out.top_logprobs, out.top_ids))
+
+
 def _stochastic(reqs) -> bool:
     """Whether any row samples (static: greedy-only batches compile without the sort)."""
     return any(r is not None and r.params.temperature > 0 for r in reqs)
@@ -46,10 +52,12 @@ def _stochastic(reqs) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Draft:
-    """A speculative-decoding draft: a Llama-family model with the target's vocabulary."""
+    """A speculative-decoding draft: a Llama-family model with the target's vocabulary
+    (info.method "draft") or an EAGLE-1 / EAGLE-3 head, with its tree configuration."""
     model: nnx.Module
-    cfg: object
-    num_steps: int  # chain length (tokens drafted per step)
+    kv_cfg: object  # ModelConfig giving the draft's KV layout (num_layers, num_kv_heads, head_dim)
+    info: object  # specjax.drafter.DraftInfo
+    spec: object  # specjax.tree.SpecConfig
 
 
 class Engine:
@@ -63,7 +71,8 @@ class Engine:
         else:
             from specjax import step
             self.spec_steps, self.weights, self.draft_weights = step.compile_spec_steps(
-                *nnx.split(model), *nnx.split(draft.model))
+                draft.info, draft.spec, *nnx.split(model), *nnx.split(draft.model))
+            self.lookahead = step.lookahead(draft.spec, draft.info)
         pages_per_slot = -(-cache_opts.max_seq_len // cache_opts.page_size)
         num_pages = cache_opts.num_pages or batch_opts.max_batch * pages_per_slot + 1
         self.alloc = PageAllocator(num_pages, cache_opts.page_size, pages_per_slot, batch_opts.max_batch)
@@ -73,7 +82,9 @@ class Engine:
             self.state = decode.DecodeState(cache, jnp.zeros((batch_opts.max_batch,), jnp.int32))
         else:
             from specjax.step import init_spec_state
-            self.state = init_spec_state(cache, draft.cfg, dtype)
+            dkv = init_cache(draft.kv_cfg, num_pages=num_pages, page_size=cache_opts.page_size,
+                             max_slots=batch_opts.max_batch, max_seq_len=cache_opts.max_seq_len, dtype=dtype).kv
+            self.state = init_spec_state(cache, dkv, draft.spec, cfg.vocab_size)
         self.slots: list[Request | None] = [None] * batch_opts.max_batch
         self.lens = np.zeros(batch_opts.max_batch, np.int64)  # host mirror of the device seq_lens
 
@@ -113,17 +124,14 @@ class Engine:
             return True
         return False
 
-    def _deliver(self, out: decode.StepOut, rows: list[tuple[int, int, Request]], stacked: bool):
-        """out fields are [B, ...] or, stacked, [K, B, ...] (K steps). Tokens computed after a
-        request finished are dropped."""
-        host = [None if x is None else np.asarray(x) for x in (out.tokens, out.logprob, out.top_logprobs,
-                                                               out.top_ids)]
-        toks, lp, top_lp, top_ids = [x if x is None or stacked else x[None] for x in host]
-        for b, slot, req in rows:  # (row of out, slot, request)
-            for k in range(toks.shape[0]):
-                top = None if lp is None else list(zip(top_ids[k, b].tolist(), top_lp[k, b].tolist()))
-                if self._append(slot, req, int(toks[k, b]),
-                                None if lp is None else float(lp[k, b]), top):
+    def _deliver(self, rows: list[tuple[int, int, Request]], toks, lp=None, top_lp=None, top_ids=None, counts=None):
+        """Per row b of the host arrays toks [B, K] (and logprobs [B, K], [B, K, J]), give the first
+        counts[b] (default K) tokens to the row's request. Tokens computed after a request finished
+        are dropped."""
+        for b, slot, req in rows:  # (row of the arrays, slot, request)
+            for k in range(toks.shape[1] if counts is None else int(counts[b])):
+                top = None if lp is None else list(zip(top_ids[b, k].tolist(), top_lp[b, k].tolist()))
+                if self._append(slot, req, int(toks[b, k]), None if lp is None else float(lp[b, k]), top):
                     break
 
     # -- steps -----------------------------------------------------------------------------
@@ -137,7 +145,7 @@ class Engine:
             T = _bucket(max(longest, n), 16, max(16, self.cache_opts.max_seq_len))
             if group and (len(group) + 1) * T > self.batch_opts.max_prefill_tokens:
                 break
-            if not self.alloc.ensure(free[0], n + 1):
+            if not self.alloc.ensure(free[0], n + (1 if self.draft is None else self.lookahead)):
                 break
             queue.popleft()
             slot = free.pop(0)
@@ -158,33 +166,31 @@ class Engine:
             lens[b], slots[b] = len(req.prompt_ids), slot
         reqs = [r for _, r in group] + [None] * (B - len(group))
         want_lp = any(r.logprobs is not None for _, r in group)
+        args = (self.state, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(slots), self._samp(reqs))
+        kw = dict(want_logprobs=want_lp, stochastic=_stochastic(reqs))
         if self.draft is None:
-            out, self.state = self.steps.prefill(self.weights, self.state, jnp.asarray(tokens), jnp.asarray(lens),
-                                                 jnp.asarray(slots), self._samp(reqs), want_logprobs=want_lp,
-                                                 stochastic=_stochastic(reqs))
+            out, self.state = self.steps.prefill(self.weights, *args, **kw)
         else:
-            first, self.state = self.spec_steps.prefill(self.weights, self.draft_weights, self.state,
-                                                        jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(slots))
-            out = decode.StepOut(first)
-        self._deliver(out, [(b, slot, r) for b, (slot, r) in enumerate(group)], stacked=False)
+            out, self.state = self.spec_steps.prefill(self.weights, self.draft_weights, *args, **kw)
+        self._deliver([(b, slot, r) for b, (slot, r) in enumerate(group)], *_host(out, lambda x: x[:, None]))
 
     def _spec_decode(self):
-        """One fused speculative step (chain draft, greedy verify) for every busy slot."""
+        """One fused speculative step (verify, accept, compact, draft the next tree) for every busy slot."""
         rows = [(i, r) for i, r in enumerate(self.slots) if r is not None]
-        K = self.draft.num_steps
-        self._reserve(rows, K + 1)  # the verify writes positions L .. L + K
-        active = np.array([r is not None for r in self._padded_rows()])
+        self._reserve(rows, self.lookahead)
+        reqs = self._padded_rows()
+        active = np.array([r is not None for r in reqs])
+        want_lp = any(r.logprobs is not None for _, r in rows)
         out, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state,
-                                               jnp.arange(len(active), dtype=jnp.int32), jnp.asarray(active),
-                                               num_steps=K)
-        toks, n_acc = np.asarray(out.tokens), np.asarray(out.num_accepted)
+                                               jnp.arange(len(reqs), dtype=jnp.int32), jnp.asarray(active),
+                                               self._samp(reqs), want_logprobs=want_lp,
+                                               stochastic=_stochastic(reqs))
+        n_acc = np.asarray(out.num_accepted)
         for i, req in rows:
-            n = int(n_acc[i])
-            self.lens[i] += n
-            req.accept_lens.append(n)
-            for t in toks[i, :n]:
-                if self._append(i, req, int(t)):
-                    break
+            self.lens[i] += int(n_acc[i])
+            req.accept_lens.append(int(n_acc[i]))
+        toks, lp, top_lp, top_ids = _host(out, lambda x: x)
+        self._deliver([(i, i, r) for i, r in rows], toks, lp, top_lp, top_ids, counts=n_acc)
 
     def _decode(self):
         if self.draft is not None:
@@ -201,7 +207,7 @@ class Engine:
                                                  jnp.asarray(active), self._samp(reqs), num_steps=K,
                                                  want_logprobs=want_lp, stochastic=_stochastic(reqs))
         self.lens[active[: len(self.slots)]] += K
-        self._deliver(out, [(i, i, r) for i, r in rows], stacked=True)
+        self._deliver([(i, i, r) for i, r in rows], *_host(out, lambda x: np.swapaxes(x, 0, 1)))
 
     def run(self, requests: list[Request]) -> None:
         """Run requests to completion (continuous batching: freed slots admit queued requests)."""

@@ -42,7 +42,9 @@ class AttnMeta:
     write_idx: jax.Array  # [B, T] int32 flat cache index (page * page_size + offset); trash for padding
     q_start: jax.Array  # [B] int32 cache index of the first new token of each row
     kv_len: jax.Array  # [B] int32 valid cache entries after this step's writes
-    block_mask: jax.Array | None = None  # [B, T, T] bool: new token i sees new token j (None: causal)
+    block_mask: jax.Array | None = None  # [B, T, W] bool: new token i sees cache entry mask_start + j
+    #                                        (None: causal over the T new tokens)
+    mask_start: jax.Array | None = None  # [B] int32 first cache index governed by block_mask (None: q_start)
 
 
 def init_cache(cfg, *, num_pages: int, page_size: int, max_slots: int, max_seq_len: int, dtype) -> KVCache:
@@ -71,7 +73,7 @@ def step_meta(cache: KVCache, slots, num_new, T: int, block_mask=None) -> AttnMe
     return meta_at(cache.page_table[slots], cache.seq_lens[slots], num_new, T, cache.page_size, block_mask)
 
 
-def meta_at(page_table, start, num_new, T: int, page_size: int, block_mask=None) -> AttnMeta:
+def meta_at(page_table, start, num_new, T: int, page_size: int, block_mask=None, mask_start=None) -> AttnMeta:
     """AttnMeta for num_new[b] (<= T) new tokens at cache indices start[b].. of rows with pages page_table [B, P]."""
     return AttnMeta(
         page_table=page_table,
@@ -79,6 +81,7 @@ def meta_at(page_table, start, num_new, T: int, page_size: int, block_mask=None)
         q_start=start,
         kv_len=start + num_new,
         block_mask=block_mask,
+        mask_start=mask_start,
     )
 
 

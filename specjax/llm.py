@@ -17,13 +17,28 @@ class PromptError(ValueError):
     """A prompt that cannot be served (empty, too long, bad token ids)."""
 
 
+def draft_method(draft) -> str:
+    """The SpecConfig.method a draft needs: "eagle" / "eagle3" for a converted head directory,
+    "draft" for a draft model directory or "self"."""
+    import json
+
+    from specjax.checkpoint import MARKER
+    marker = Path(draft) / MARKER
+    if draft != "self" and marker.exists():
+        kind = json.loads(marker.read_text()).get("kind", "draft")
+        if kind in ("eagle", "eagle3"):
+            return kind
+    return "draft"
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "bfloat16", page_size: int = 16,
                  max_batch: int = 8, max_seq_len: int = 2048, num_pages: int | None = None, seed: int = 0,
                  draft: str | Path | None = None, spec=None):
-        """draft: None (plain decoding), "self" (the target drafts for itself: for testing) or the
-        directory of a converted Llama-family draft model with the target's vocabulary.
-        spec: specjax.tree.SpecConfig (default: a chain of 4 drafted tokens)."""
+        """draft: None (plain decoding), "self" (the target drafts for itself: for testing), the
+        directory of a converted Llama-family draft model with the target's vocabulary, or of a
+        converted EAGLE-1 / EAGLE-3 head (`specjax convert --draft`).
+        spec: specjax.tree.SpecConfig (default: a chain of 4 drafted tokens with the draft's method)."""
         from specjax.checkpoint import load_model, load_tokenizer
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -45,21 +60,25 @@ class LLM:
 
     def _load_draft(self, draft, spec, target_module, dtype):
         from specjax.checkpoint import load_model
+        from specjax.drafter import DraftInfo
         from specjax.engine import Draft
         from specjax.tree import SpecConfig
-        self.spec = spec or SpecConfig(method="draft", num_steps=4)
-        if self.spec.method != "draft":
-            raise ValueError(f"SpecConfig.method={self.spec.method!r} needs an EAGLE head, which is not "
-                             "supported yet; use method='draft' with a draft model")
-        if self.spec.topk != 1:
-            raise ValueError("tree drafting (topk > 1) is not supported yet; use topk=1 (a chain)")
+        kind = draft_method(draft)
+        self.spec = spec or SpecConfig(method=kind, num_steps=4)
+        if self.spec.method != kind:
+            raise ValueError(f"SpecConfig.method={self.spec.method!r} but the draft "
+                             f"{'(the target itself)' if draft == 'self' else str(draft)} is a {kind!r} draft")
+        if kind != "draft":
+            from specjax.checkpoint import load_draft
+            head, ecfg = load_draft(draft, self.cfg, dtype)
+            return Draft(head, ecfg.layer, DraftInfo(ecfg.method, tuple(ecfg.aux_layers)), self.spec)
         if draft == "self":
-            return Draft(target_module, self.cfg, self.spec.num_steps)
+            return Draft(target_module, self.cfg, DraftInfo("draft"), self.spec)
         draft_cfg, draft_module = load_model(draft, dtype)
         if draft_cfg.vocab_size != self.cfg.vocab_size:
             raise ValueError(f"draft model {draft} has vocab_size {draft_cfg.vocab_size}, the target has "
                              f"{self.cfg.vocab_size}: a draft must share the target's vocabulary")
-        return Draft(draft_module, draft_cfg, self.spec.num_steps)
+        return Draft(draft_module, draft_cfg, DraftInfo("draft"), self.spec)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -80,9 +99,6 @@ class LLM:
         if len(ids) >= self.max_seq_len:
             raise PromptError(f"prompt {index} has {len(ids)} tokens; max_seq_len={self.max_seq_len} leaves "
                               f"no room to generate (prompt must be shorter than max_seq_len)")
-        if self.spec is not None and (params.temperature > 0 or params.logprobs is not None):
-            raise ValueError(f"prompt {index}: speculative decoding supports greedy decoding only for now "
-                             "(temperature=0, logprobs=None)")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         self._next_id += 1
         return Request(self._next_id - 1, text, ids, params, self.tokenizer, self.eos_ids, self.max_seq_len,

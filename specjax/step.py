@@ -1,32 +1,24 @@
-"""Fused speculative step with a classic draft model: chain drafting (topk=1), greedy acceptance.
+"""The fused speculative step: ONE jitted program per step, state donated, no host round trip.
 
-One pure function under jax.jit (no host round trip): draft k tokens autoregressively with the
-draft model, verify them with one target forward over k + 1 tokens, accept greedily.
+    verify the stored draft tree with the target (tree-masked attention over the paged cache)
+    -> accept (greedy, or recursive rejection sampling: specjax.verify)
+    -> KV compaction of the accepted path (pallas_kernels.kv_compact; trees only)
+    -> sequence lengths updated on the device
+    -> draft extend over the accepted tokens (EAGLE: with the target's features for them)
+    -> grow the next draft tree (EAGLE-2 style; topk = 1 is a chain), stored in the state.
 
-Cache layout. The target and the draft have their own K/V pages but share the page table (the
-draft pages are indexed by the same page numbers, so one host-side PageAllocator serves both)
-and keep separate lengths:
+Prefill seeds the target cache, the draft and the first tree.
 
-  target: cache.seq_lens[s] = L   tokens x_0 .. x_{L-1} have K/V in the target cache;
-          last_tokens[s] = x_L    the last accepted token, not yet in either cache.
-  draft:  draft_seq_lens[s] = Ld in {L - 1, L}; prev_tokens[s] = x_{L-1}.
-
-Draft catch-up scheme (exact). A step first runs the draft once over T = 2 tokens, the ones
-the draft has not consumed: [x_{L-1}, x_L] at positions L-1, L when Ld == L - 1 (num_new 2), or
-[x_L, pad] at position L when Ld == L (num_new 1, the pad goes to the trash page). Its logits at
-x_L give d_1. Then k - 1 T=1 draft decodes feed d_1 .. d_{k-1} at L+1 .. L+k-1 and give
-d_2 .. d_k; d_k itself is never fed. So the draft cache holds [x_L, d_1 .. d_{k-1}] at
-L .. L+k-1. The target verifies [x_L, d_1 .. d_k] at L .. L+k and n tokens are accepted
-(x_L, d_1 .. d_{n-1}), plus a bonus token. The draft's K/V agree with the accepted tokens up to
-position L + min(n, k) - 1, so:
-
-  L' = L + n,  Ld' = L + min(n, k)  (= L' unless all k drafts were accepted: then L' - 1),
-  last' = bonus,  prev' = token at L' - 1 (d_{n-1}, or x_L when n == 1).
-
-Draft K/V written beyond Ld' are stale but never read: every later read of a position is preceded
-by a write of it (kv_len bounds the visible entries). Inactive rows (active False) feed num_new 0
-everywhere (all their writes land on the trash page) and do not advance; rows whose slot is
->= max_slots are padding (reads clamp, updates drop).
+Per slot (see specjax.drafter for the draft methods and their shift s):
+  target: cache.seq_lens = L; tokens x_0 .. x_{L-1} have K/V; the tree's root (node 0) is x_L,
+          the last accepted token. Tree node i sits at position L + depth[i] and is written to
+          cache index L + i during verification; compaction moves the accepted path to L .. L+n-1.
+  draft:  draft_seq_lens = Ld = L + 1 - s committed entries. Tree growth writes the frontier
+          nodes of step j (1 <= j < num_steps) as scratch entries Ld + (j-1)*topk + f; a node sees
+          the committed prefix and its own ancestors' scratch entries (AttnMeta.mask_start = Ld).
+          After verification the extend overwrites the scratch with the n accepted entries.
+Inactive rows write only to the trash page and keep their state; rows whose slot is >= max_slots
+are padding (reads clamp, updates drop).
 """
 from __future__ import annotations
 
@@ -39,20 +31,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.kv_compact import kv_compact
+from specjax import decode, drafter, sampling, tree as tree_lib, verify
+from specjax.drafter import DraftInfo
 from specjax.kv_cache import KVCache, meta_at
+from specjax.sampling import SamplingArrays
+from specjax.tree import SpecConfig
+
+_DRAFT_SEED_SALT = 0x5BD1E995  # draft sampling uses its own random stream
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SpecState:
-    cache: KVCache  # target cache (its page_table is shared with the draft)
+    cache: KVCache  # target cache; its page_table is shared with the draft
     draft_kv: list  # per draft layer [num_pages, page_size, 2, Hkv_d, D_d]
-    draft_seq_lens: jax.Array  # [max_slots] int32, L - 1 or L (see module doc)
-    last_tokens: jax.Array  # [max_slots] int32: last accepted token, not yet in any cache
-    prev_tokens: jax.Array  # [max_slots] int32: the token at position L - 1
-
-    def draft_cache(self) -> KVCache:
-        return KVCache(kv=self.draft_kv, page_table=self.cache.page_table, seq_lens=self.draft_seq_lens)
+    draft_seq_lens: jax.Array  # [max_slots] int32: Ld = L + 1 - shift
+    tree_tokens: jax.Array  # [max_slots, N] int32 the next tree to verify; node 0 = root
+    tree_parents: jax.Array  # [max_slots, N] int32
+    tree_depth: jax.Array  # [max_slots, N] int32
+    draft_probs: jax.Array | None  # [max_slots, N, V] float32: proposal of each chain node (sampling)
 
 
 @jax.tree_util.register_dataclass
@@ -60,135 +58,286 @@ class SpecState:
 class SpecOut:
     tokens: jax.Array  # [B, num_steps + 1] int32 emitted tokens, padded with -1
     num_accepted: jax.Array  # [B] int32 in 1 .. num_steps + 1 (0 for inactive rows)
-    accept_hist: jax.Array  # [num_steps + 2] int32: histogram of num_accepted over active rows
+    accept_hist: jax.Array  # [num_steps + 2] int32 histogram of num_accepted over active rows
+    logprob: jax.Array | None = None  # [B, num_steps + 1] float32
+    top_logprobs: jax.Array | None = None  # [B, num_steps + 1, K]
+    top_ids: jax.Array | None = None  # [B, num_steps + 1, K]
 
 
-def init_spec_state(cache: KVCache, draft_cfg, dtype) -> SpecState:
-    """A SpecState around a target cache: draft pages of the same count/page size, zero lengths."""
-    n, ps = cache.kv[0].shape[:2]
-    shape = (n, ps, 2, draft_cfg.num_kv_heads, draft_cfg.head_dim)
-    max_slots = cache.seq_lens.shape[0]
-    return SpecState(cache=cache, draft_kv=[jnp.zeros(shape, dtype) for _ in range(draft_cfg.num_layers)],
-                     draft_seq_lens=jnp.zeros((max_slots,), jnp.int32),
-                     last_tokens=jnp.zeros((max_slots,), jnp.int32),
-                     prev_tokens=jnp.zeros((max_slots,), jnp.int32))
+def init_spec_state(cache: KVCache, draft_kv: list, spec: SpecConfig, vocab_size: int,
+                    sample_drafts: bool = True) -> SpecState:
+    """Empty state around a target cache and draft pages (same page count / page size).
+    sample_drafts: keep chain proposals for speculative sampling (chains only)."""
+    S = cache.seq_lens.shape[0]
+    N = spec.num_nodes
+    probs = jnp.zeros((S, N, vocab_size), jnp.float32) if spec.is_chain and sample_drafts else None
+    return SpecState(cache=cache, draft_kv=list(draft_kv), draft_seq_lens=jnp.zeros((S,), jnp.int32),
+                     tree_tokens=jnp.zeros((S, N), jnp.int32), tree_parents=jnp.full((S, N), -1, jnp.int32),
+                     tree_depth=jnp.zeros((S, N), jnp.int32), draft_probs=probs)
 
 
-def _argmax_at(model, h, idx):
-    """Greedy token from hidden h [B, T, E] at per-row index idx [B] -> [B] int32."""
-    h_sel = jnp.take_along_axis(h, idx[:, None, None], axis=1)  # [B, 1, E]
-    return jnp.argmax(model.logits(h_sel)[:, 0], axis=-1).astype(jnp.int32)
+def lookahead(spec: SpecConfig, info: DraftInfo) -> int:
+    """Cache entries a slot may touch beyond its length L in one step (pages to reserve)."""
+    draft = 1 - info.shift + (spec.num_steps + 1) + (spec.num_steps - 1) * spec.topk
+    return max(spec.num_nodes, draft)
 
 
-def spec_prefill(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState,
-                 tokens, lens, slots):
-    """Prefill ragged prompts from position 0 into both caches; greedy first token.
+# ----------------------------------------------------------------------------- draft side
 
-    tokens: [B, T] int32 (right-padded); lens: [B] int32 (0 for padding rows); slots: [B] int32
-    (padding rows may hold any index >= max_slots). Returns (first tokens [B] int32, state)."""
-    target = nnx.merge(target_graphdef, target_params)
-    draft = nnx.merge(draft_graphdef, draft_params)
+
+def _draft_keys(samp: SamplingArrays, pos):
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s ^ _DRAFT_SEED_SALT), p))(samp.seed, pos)
+
+
+def _extend(info, draft, target, kv, pt, ps, tokens, feats, start, n):
+    """Draft over n[b] (<= T) new entries at draft index start[b]. tokens [B, T].
+    Returns (hidden at the last new entry [B, E], its logits [B, Vd], kv)."""
+    T = tokens.shape[1]
+    pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    hid, kv = drafter.forward(info, draft, target, tokens, pos, feats, kv, pt, meta_at(pt, start, n, T, ps))
+    last = jnp.clip(n - 1, 0, T - 1)
+    h_last = jnp.take_along_axis(hid, last[:, None, None], axis=1)  # [B, 1, E]
+    return h_last[:, 0], drafter.logits(info, draft, target, h_last)[:, 0], kv
+
+
+def _pick_chain(info, draft, logits, samp, pos, vocab_size, sample_drafts):
+    """Chain drafting: argmax, or (sample_drafts) a sample of the filtered draft distribution q.
+    Returns (draft-vocab token [B], q over the target vocab [B, V] or None)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sample_drafts:
+        return greedy, None
+    q = verify.filtered_probs(logits, samp)  # [B, Vd]; one-hot argmax for greedy rows
+    drawn = jax.vmap(jax.random.categorical)(_draft_keys(samp, pos), jnp.log(q)).astype(jnp.int32)
+    tok = jnp.where(samp.temperature > 0, drawn, greedy)
+    return tok, drafter.probs_to_target(info, draft, q, vocab_size)
+
+
+def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logits_last, samp,
+          sample_drafts):
+    """Grow the next tree from the draft's output at the root (h_last [B, E], logits_last [B, Vd]).
+    Returns (Tree, draft_probs [B, N, V] or None, kv)."""
+    S, k = spec.num_steps, spec.topk
+    B = root.shape[0]
+    V = target.embed[...].shape[0]
+    W = max(1, (S - 1) * k)  # scratch entries of one tree
+    feat = h_last[:, None]  # [B, F, E] features of the frontier's parents (the root: F = 1)
+    anc = jnp.zeros((B, 1, W), bool)  # scratch ancestors of the frontier's parents
+    score = jnp.zeros((B, 1), jnp.float32)
+    lp = jax.nn.log_softmax(logits_last, axis=-1)[:, None]  # [B, 1, Vd]
+    st_tok, st_score, st_par, qs = [], [], [], []
+    fr = jnp.zeros((B, 1), jnp.int32)  # frontier: indices into the previous step's candidates
+    for s in range(S):
+        tok, sc, local = tree_lib.expand_step(score, lp, k)  # [B, F*k] draft ids, scores, frontier idx
+        if spec.is_chain:  # F = k = 1
+            tok, q = _pick_chain(info, draft, lp[:, 0], samp, L + s + 1, V, sample_drafts)
+            tok = tok[:, None]
+            qs.append(q)
+        tok = drafter.to_target(info, draft, tok)
+        st_tok.append(tok)
+        st_score.append(sc)
+        st_par.append(jnp.take_along_axis(fr, local, axis=1) if s else jnp.full_like(local, -1))
+        if s == S - 1:
+            break
+        # feed the k best candidates (depth s + 1) as scratch entries Ld + s*k + f
+        fr = tree_lib.frontier(sc, k)  # [B, k]
+        parent = jnp.take_along_axis(local, fr, axis=1)  # [B, k] index into the previous frontier
+        own = jax.nn.one_hot(s * k + jnp.arange(k), W, dtype=bool)[None]  # [1, k, W]
+        anc = jnp.take_along_axis(anc, parent[:, :, None], axis=1) | own  # [B, k, W]
+        feat = jnp.take_along_axis(feat, parent[:, :, None], axis=1)  # [B, k, E]
+        ftok = jnp.take_along_axis(tok, fr, axis=1)  # [B, k]
+        score = jnp.take_along_axis(sc, fr, axis=1)
+        pos = jnp.broadcast_to((L + s + 1 - info.shift)[:, None], (B, k))
+        meta = meta_at(pt, Ld + s * k, act * k, k, ps, block_mask=anc, mask_start=Ld)
+        feat, kv = drafter.forward(info, draft, target, ftok, pos, feat, kv, pt, meta)  # [B, k, E]
+        lp = jax.nn.log_softmax(drafter.logits(info, draft, target, feat), axis=-1)  # [B, k, Vd]
+    if spec.is_chain:
+        tree = tree_lib.chain_tree(root, jnp.concatenate(st_tok, axis=1))
+        probs = None
+        if sample_drafts:
+            probs = jnp.stack([jnp.zeros_like(qs[0])] + qs, axis=1)  # [B, N, V]; node 0 unused
+    else:
+        tree = tree_lib.select_tree(root, st_tok, st_score, st_par, spec.num_draft_tokens)
+        probs = None
+    return tree, probs, kv
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _merge(tgd, tp, dgd, dp):
+    return nnx.merge(tgd, tp), nnx.merge(dgd, dp)
+
+
+def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache):
+    """Write the per-slot results of rows `upd` (out-of-range rows dropped)."""
+    def put(arr, val):
+        return arr.at[upd].set(val, mode="drop")
+    return SpecState(cache=cache, draft_kv=draft_kv, draft_seq_lens=draft_seq_lens,
+                     tree_tokens=put(state.tree_tokens, tree.tokens),
+                     tree_parents=put(state.tree_parents, tree.parents),
+                     tree_depth=put(state.tree_depth, tree.depth),
+                     draft_probs=None if state.draft_probs is None else put(
+                         state.draft_probs, probs if probs is not None else 0.0))
+
+
+def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, tokens, lens, slots,
+                 samp: SamplingArrays, want_logprobs=False, stochastic=True):
+    """Prefill ragged prompts (tokens [B, T], lens [B], slots [B]) into the target, sample the first
+    token, seed the draft over the prompt and grow the first tree. Returns (decode.StepOut, state)."""
+    target, draft = _merge(tgd, tp, dgd, dp)
     B, T = tokens.shape
     max_slots = state.cache.seq_lens.shape[0]
-    safe = jnp.clip(slots, 0, max_slots - 1)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    last = jnp.clip(lens - 1, 0, T - 1)
+    out, h, aux, cache = decode.target_prefill(target, state.cache, tokens, lens, slots, samp,
+                                               want_logprobs, stochastic, info.aux_layers)
+    pt = cache.page_table[jnp.clip(slots, 0, max_slots - 1)]
+    ps = cache.page_size
+    act = (lens > 0).astype(jnp.int32)
+    # draft entry p holds token x_{p + shift} for p <= P - shift, x_P being the first sampled token
+    sh = info.shift
+    col = jnp.arange(T + 1, dtype=jnp.int32)[None, :]
+    end = (lens - sh)[:, None]  # [B, 1] index of the entry holding x_P
+    src = jnp.take_along_axis(tokens, jnp.clip(col + sh, 0, T - 1), axis=1)
+    dtoks = jnp.where(col < end, src, jnp.where(col == end, out.tokens[:, None], 0))  # [B, T + 1]
+    feats = drafter.target_features(info, draft, h, aux)
+    if feats is not None:
+        feats = jnp.pad(feats, ((0, 0), (0, 1), (0, 0)))  # [B, T + 1, E]
+    n_d = (lens + 1 - sh) * act
+    zero = jnp.zeros_like(lens)
+    h_last, lg_last, dkv = _extend(info, draft, target, state.draft_kv, pt, ps, dtoks, feats, zero, n_d)
+    tree, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act, out.tokens, lens, n_d, h_last,
+                             lg_last, samp, stochastic and state.draft_probs is not None)
+    draft_seq_lens = state.draft_seq_lens.at[slots].set(n_d, mode="drop")
+    return out, _store(state, slots, tree, probs, dkv, draft_seq_lens, cache)
 
-    meta = meta_at(state.cache.page_table[safe], jnp.zeros_like(lens), lens, T, state.cache.page_size)
-    h, cache, _ = target(tokens, positions, state.cache, meta)
-    first = _argmax_at(target, h, last)
-    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(lens, mode="drop"))
-    _, dcache, _ = draft(tokens, positions, state.draft_cache(), meta)
-    draft_seq_lens = state.draft_seq_lens.at[slots].set(lens, mode="drop")
-    prev = jnp.take_along_axis(tokens, last[:, None], axis=1)[:, 0]
-    return first, SpecState(cache=cache, draft_kv=dcache.kv, draft_seq_lens=draft_seq_lens,
-                            last_tokens=state.last_tokens.at[slots].set(first, mode="drop"),
-                            prev_tokens=state.prev_tokens.at[slots].set(prev, mode="drop"))
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Verified:
+    """What the target forward over the tree hands to acceptance (the three parts of a step can run
+    as one program or, for grammar overlap / the unfused benchmark, as separate ones)."""
+    logits: jax.Array  # [B, N, V] float32 target logits after each node
+    h: jax.Array  # [B, N, E] final-normed target hidden states
+    aux: tuple  # target hidden states of info.aux_layers, each [B, N, E]
+    cache: KVCache  # target cache with the tree's K/V written at L .. L + N - 1
 
 
-def spec_step(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState,
-              slots, active, num_steps: int):
-    """One speculative step (draft num_steps tokens, verify, greedy accept) for rows `slots` [B]
-    with `active` [B] bool. num_steps is static (>= 1). Returns (SpecOut, state).
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Accepted:
+    out: SpecOut
+    accept_idx: jax.Array  # [B, S + 1] accepted node indices (-1 padded)
+    bonus: jax.Array  # [B] int32 the next root
+    cache: KVCache  # compacted target cache (lengths not yet updated)
 
-    The caller must have pages allocated for positions up to L + num_steps of every active slot."""
-    if num_steps < 1:
-        raise ValueError("num_steps must be >= 1")
-    k = num_steps
-    target = nnx.merge(target_graphdef, target_params)
-    draft = nnx.merge(draft_graphdef, draft_params)
+
+def _rows(state: SpecState, slots, active):
     max_slots = state.cache.seq_lens.shape[0]
     rs = jnp.minimum(slots, max_slots - 1)  # read slots (padding rows clamp)
-    active = active & (slots < max_slots)
-    act = active.astype(jnp.int32)
+    return rs, active & (slots < max_slots)
+
+
+def verify_forward(info: DraftInfo, spec: SpecConfig, target, state: SpecState, slots, active) -> Verified:
+    """Target forward over the stored tree of rows `slots`: node i at position L + depth[i],
+    written to cache index L + i, attending to the prefix and its ancestors."""
+    rs, active = _rows(state, slots, active)
+    N = spec.num_nodes
     L = state.cache.seq_lens[rs]  # [B]
-    last = state.last_tokens[rs]
-    prev = state.prev_tokens[rs]
-    Ld = state.draft_seq_lens[rs]
-    pt = state.cache.page_table[rs]  # [B, P], shared by both caches
-    ps = state.cache.page_size
+    tree = tree_lib.make_tree(state.tree_tokens[rs], state.tree_parents[rs], state.tree_depth[rs], spec.num_steps)
+    meta = meta_at(state.cache.page_table[rs], L, active.astype(jnp.int32) * N, N, state.cache.page_size,
+                   block_mask=tree.mask)
+    h, cache, aux = target(tree.tokens, tree_lib.positions(tree, L), state.cache, meta, info.aux_layers)
+    return Verified(logits=target.logits(h), h=h, aux=tuple(aux), cache=cache)
 
-    # ---- 1. draft: catch-up forward (T=2) giving d_1, then k-1 T=1 decodes
-    dcache = state.draft_cache()
-    lag = jnp.clip(L - Ld, 0, 1)  # 1: x_{L-1} not yet in the draft cache
-    start = L - lag  # == Ld for active rows
-    toks2 = jnp.where(lag[:, None] == 1, jnp.stack([prev, last], 1),
-                      jnp.stack([last, jnp.zeros_like(last)], 1))
-    pos2 = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
-    h, dcache, _ = draft(toks2, pos2, dcache, meta_at(pt, start, (1 + lag) * act, 2, ps))
-    d = _argmax_at(draft, h, lag)  # d_1 (logits at x_L)
-    drafts = [d]
-    for j in range(1, k):  # feed d_j at L + j, get d_{j+1}
-        h, dcache, _ = draft(d[:, None], (L + j)[:, None], dcache, meta_at(pt, L + j, act, 1, ps))
-        d = _argmax_at(draft, h, jnp.zeros_like(L))
-        drafts.append(d)
-    drafts = jnp.stack(drafts, axis=1)  # [B, k]
 
-    # ---- 2. verify: target over [x_L, d_1 .. d_k] at L .. L+k (causal chain)
-    vtoks = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, k+1]
-    vpos = L[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    h, cache, _ = target(vtoks, vpos, state.cache, meta_at(pt, L, act * (k + 1), k + 1, ps))
-    tgt = jnp.argmax(target.logits(h), axis=-1).astype(jnp.int32)  # [B, k+1]
+def accept(spec: SpecConfig, state: SpecState, ver: Verified, slots, active, samp, want_logprobs, stochastic,
+           token_mask=None) -> Accepted:
+    """Acceptance (greedy or rejection sampling) and compaction of the accepted path.
+    token_mask: optional [B, N, W] int32 grammar bitmask of the tokens allowed after each node."""
+    rs, active = _rows(state, slots, active)
+    S = spec.num_steps
+    act = active.astype(jnp.int32)
+    L = state.cache.seq_lens[rs]
+    tree = tree_lib.make_tree(state.tree_tokens[rs], state.tree_parents[rs], state.tree_depth[rs], S)
+    logits = ver.logits
+    if token_mask is not None:
+        from specjax.grammar import apply_bitmask
+        logits = apply_bitmask(logits, token_mask)
+    q = state.draft_probs[rs] if (stochastic and state.draft_probs is not None) else None
+    acc, n, bonus = verify.verify_tree(tree, logits, samp, L, draft_probs=q, stochastic=stochastic)
+    n = n * act  # [B]; acc [B, S + 1]
+    toks = tree_lib.accepted_tokens(tree, acc, jnp.maximum(n, 1), bonus)  # [B, S + 1]
+    toks = jnp.where(active[:, None], toks, -1)
+    cache = ver.cache
+    if not spec.is_chain:  # a chain's accepted path is already in place
+        with jax.named_scope("compact"):
+            cache = dataclasses.replace(cache, kv=kv_compact(cache.kv, state.cache.page_table[rs], L, acc, n))
+    hist = jnp.zeros((S + 2,), jnp.int32).at[n].add(act)
+    out = SpecOut(tokens=toks, num_accepted=n, accept_hist=hist)
+    if want_logprobs:  # of the unmasked, unscaled target distribution, as plain decoding reports
+        lg = jnp.take_along_axis(ver.logits, jnp.maximum(acc, 0)[:, :, None], axis=1)  # [B, S + 1, V]
+        B = toks.shape[0]
+        chosen, top_v, top_i = sampling.token_logprobs(lg.reshape(B * (S + 1), -1), jnp.maximum(toks, 0).reshape(-1))
+        out = dataclasses.replace(out, logprob=chosen.reshape(B, S + 1), top_logprobs=top_v.reshape(B, S + 1, -1),
+                                  top_ids=top_i.reshape(B, S + 1, -1))
+    return Accepted(out=out, accept_idx=acc, bonus=bonus, cache=cache)
 
-    # ---- 3. greedy accept: n = 1 + leading matches of d_j with tgt[j-1]
-    match = (drafts == tgt[:, :k]).astype(jnp.int32)
-    n = 1 + jnp.sum(jnp.cumprod(match, axis=1), axis=1)  # [B] in 1 .. k+1
-    bonus = jnp.take_along_axis(tgt, (n - 1)[:, None], axis=1)[:, 0]
-    col = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    drafted = jnp.concatenate([drafts, jnp.full_like(drafts[:, :1], -1)], axis=1)
-    out_tokens = jnp.where(col < (n - 1)[:, None], drafted, jnp.where(col == (n - 1)[:, None], bonus[:, None], -1))
-    out_tokens = jnp.where(active[:, None], out_tokens, -1)
-    n_out = n * act
-    new_prev = jnp.take_along_axis(vtoks, (n - 1)[:, None], axis=1)[:, 0]  # token at L' - 1
 
-    # ---- 4. state update (padding rows dropped, inactive rows unchanged)
+def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecState, ver: Verified, acc: Accepted,
+               slots, active, samp, stochastic) -> SpecState:
+    """Lengths update, draft extend over the accepted entries and the next tree -> the new state."""
+    rs, active = _rows(state, slots, active)
+    max_slots = state.cache.seq_lens.shape[0]
+    act = active.astype(jnp.int32)
+    L, Ld = state.cache.seq_lens[rs], state.draft_seq_lens[rs]
+    pt, ps = state.cache.page_table[rs], state.cache.page_size
+    n = acc.out.num_accepted
+    feats = None
+    if info.uses_features:
+        idx = jnp.maximum(acc.accept_idx, 0)[:, :, None]  # [B, S + 1, 1]
+        take = functools.partial(jnp.take_along_axis, indices=idx, axis=1)
+        feats = drafter.target_features(info, draft, take(ver.h), tuple(take(a) for a in ver.aux))
+    h_last, lg_last, dkv = _extend(info, draft, target, state.draft_kv, pt, ps, jnp.maximum(acc.out.tokens, 0),
+                                   feats, Ld, n)
+    L2, Ld2 = L + n, Ld + n
+    nxt, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act, acc.bonus, L2, Ld2, h_last, lg_last,
+                            samp, stochastic and state.draft_probs is not None)
     upd = jnp.where(active, slots, max_slots)  # inactive rows: out of range -> dropped
-    cache = dataclasses.replace(cache, seq_lens=state.cache.seq_lens.at[upd].set(L + n, mode="drop"))
-    draft_seq_lens = state.draft_seq_lens.at[upd].set(L + jnp.minimum(n, k), mode="drop")
-    new_state = SpecState(cache=cache, draft_kv=dcache.kv, draft_seq_lens=draft_seq_lens,
-                          last_tokens=state.last_tokens.at[upd].set(bonus, mode="drop"),
-                          prev_tokens=state.prev_tokens.at[upd].set(new_prev, mode="drop"))
-    hist = jnp.zeros((k + 2,), jnp.int32).at[n_out].add(act)
-    return SpecOut(tokens=out_tokens, num_accepted=n_out, accept_hist=hist), new_state
+    cache = dataclasses.replace(acc.cache, seq_lens=state.cache.seq_lens.at[upd].set(L2, mode="drop"))
+    draft_seq_lens = state.draft_seq_lens.at[upd].set(Ld2, mode="drop")
+    return _store(state, upd, nxt, probs, dkv, draft_seq_lens, cache)
+
+
+def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
+              samp: SamplingArrays, want_logprobs=False, stochastic=True, token_mask=None):
+    """One fused speculative step for rows `slots` [B] with `active` [B] bool -> (SpecOut, state).
+    The caller must have pages for lookahead(spec, info) entries past L of every active slot."""
+    target, draft = _merge(tgd, tp, dgd, dp)
+    with jax.named_scope("verify"):
+        ver = verify_forward(info, spec, target, state, slots, active)
+    with jax.named_scope("accept"):
+        acc = accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask)
+    with jax.named_scope("draft"):
+        new_state = draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic)
+    return acc.out, new_state
 
 
 class SpecSteps(NamedTuple):
-    prefill: Callable  # (target_weights, draft_weights, state, tokens, lens, slots) -> (first, state)
-    step: Callable  # (target_weights, draft_weights, state, slots, active, num_steps=) -> (SpecOut, state)
+    prefill: Callable  # (target_w, draft_w, state, tokens, lens, slots, samp, *, want_logprobs, stochastic)
+    step: Callable  # (target_w, draft_w, state, slots, active, samp, *, want_logprobs, stochastic)
 
 
-def compile_spec_steps(target_graphdef, target_params, draft_graphdef, draft_params):
+def compile_spec_steps(info: DraftInfo, spec: SpecConfig, target_graphdef, target_params, draft_graphdef,
+                       draft_params):
     """-> (SpecSteps, target_weights, draft_weights): weights are flat lists of arrays, graph
-    definitions are closed over; the state (argument 2) is donated."""
+    definitions and the static configs are closed over; the state (argument 2) is donated."""
     t_leaves, t_def = jax.tree.flatten(target_params)
     d_leaves, d_def = jax.tree.flatten(draft_params)
 
     def bind(fn):
         def run(tw, dw, *args, **kw):
-            return fn(target_graphdef, jax.tree.unflatten(t_def, tw),
+            return fn(info, spec, target_graphdef, jax.tree.unflatten(t_def, tw),
                       draft_graphdef, jax.tree.unflatten(d_def, dw), *args, **kw)
         return run
 
-    jit = functools.partial(jax.jit, donate_argnums=(2,))
-    return SpecSteps(prefill=jit(bind(spec_prefill)),
-                     step=jit(bind(spec_step), static_argnames=("num_steps",))), t_leaves, d_leaves
+    jit = functools.partial(jax.jit, donate_argnums=(2,), static_argnames=("want_logprobs", "stochastic"))
+    return SpecSteps(prefill=jit(bind(spec_prefill)), step=jit(bind(spec_step))), t_leaves, d_leaves

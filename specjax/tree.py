@@ -217,6 +217,12 @@ def select_tree(root_tokens, step_tokens, step_scores, step_parents, num_draft_t
                 mask=_ancestor_mask(parents, num_steps), max_depth=num_steps)
 
 
+def make_tree(tokens, parents, depth, max_depth: int) -> Tree:
+    """A Tree from stored tokens / parents / depth [B, N] (the mask is rebuilt from the parents)."""
+    return Tree(tokens=tokens, parents=parents, depth=depth, mask=_ancestor_mask(parents, max_depth),
+                max_depth=max_depth)
+
+
 def chain_tree(root_tokens, draft_tokens) -> Tree:
     """The topk=1 tree: root_tokens [B], draft_tokens [B, S] -> a chain of N = S + 1 nodes."""
     b, s = draft_tokens.shape

@@ -47,7 +47,7 @@ def test_cudnn_matches_reference(tree, T):
 def test_auto_dispatch_picks_reference_on_cpu_and_f32():
     rng = np.random.default_rng(1)
     args = _case(rng, dtype=jnp.float32)
-    meta = type("M", (), dict(page_table=args[2], q_start=args[3], kv_len=args[4], block_mask=None))
+    meta = type("M", (), dict(page_table=args[2], q_start=args[3], kv_len=args[4], block_mask=None, mask_start=None))
     out = attention.attend(args[0], args[1], meta)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(paged_attention_reference(*args[:5])))
     with pytest.raises(ValueError, match="unknown attention implementation"):

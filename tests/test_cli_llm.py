@@ -196,5 +196,8 @@ def test_llm_draft_self_equals_plain(llm):
     want = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(o.accept_len_mean == 4.0 for o in got)
-    with pytest.raises(ValueError, match="greedy decoding only"):
-        spec.generate("hi", SamplingParams(temperature=0.7))
+    out = spec.generate("hi", SamplingParams(temperature=0.7, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4  # speculative sampling
+    with pytest.raises(ValueError, match="is a 'draft' draft"):
+        LLM(llm.model_dir, dtype="float32", max_batch=2, max_seq_len=128, draft="self",
+            spec=SpecConfig(method="eagle", num_steps=3))

@@ -1,4 +1,5 @@
-"""Speculative decoding through the engine (chain draft, greedy) equals plain greedy decoding."""
+"""Speculative decoding through the engine (draft model, chain and tree) equals plain decoding:
+greedy tokens, stops inside an accepted block, logprobs."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -6,9 +7,11 @@ import numpy as np
 import pytest
 
 from helpers import IdTokenizer, tiny_config, tiny_model
+from specjax.drafter import DraftInfo
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
 from specjax.request import Request
 from specjax.sampling_params import SamplingParams
+from specjax.tree import SpecConfig
 
 MAX_SEQ = 64
 LENS = (1, 40, 7, 16, 17, 3, 12)
@@ -44,10 +47,16 @@ def plain(setup):
     return _run(_engine(cfg, target), prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
 
 
-@pytest.mark.parametrize("which,page_size,k", [("self", 4, 3), ("other", 16, 4), ("other", 4, 2)])
-def test_spec_equals_plain_greedy(setup, plain, which, page_size, k):
+def _draft(model, cfg, k, topk=1, m=None):
+    return Draft(model, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=k, topk=topk, num_draft_tokens=m))
+
+
+@pytest.mark.parametrize("which,page_size,k,topk,m", [("self", 4, 3, 1, None), ("other", 16, 4, 1, None),
+                                                      ("other", 4, 2, 1, None), ("other", 1, 3, 2, 6),
+                                                      ("other", 16, 3, 4, 10)])
+def test_spec_equals_plain_greedy(setup, plain, which, page_size, k, topk, m):
     cfg, target, other, prompts = setup
-    draft = Draft(target, cfg, k) if which == "self" else Draft(other, other_cfg(), k)
+    draft = _draft(target, cfg, k) if which == "self" else _draft(other, other_cfg(), k, topk, m)
     outs = _run(_engine(cfg, target, draft, page_size), prompts,
                 SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
@@ -77,7 +86,22 @@ def test_stops_inside_an_accepted_block(setup, plain):
         else:
             params.append(SamplingParams(max_tokens=12, temperature=0, stop=[f"<{toks[6]}>"], ignore_eos=True))
     want = _run(_engine(cfg, target), prompts, params)
-    got = _run(_engine(cfg, target, Draft(target, cfg, 4)), prompts, params)
+    got = _run(_engine(cfg, target, _draft(target, cfg, 4)), prompts, params)
     for w, g in zip(want, got):
         assert (g.token_ids, g.finish_reason, g.text) == (w.token_ids, w.finish_reason, w.text)
     assert any(w.finish_reason == "stop" for w in want) and any(len(w.token_ids) == 5 for w in want)
+
+
+@pytest.mark.parametrize("topk,m", [(1, None), (2, 5)])
+def test_logprobs_equal_plain(setup, topk, m):
+    """Logprobs of accepted tokens (chosen + top alternatives) equal plain decoding's."""
+    cfg, target, other, prompts = setup
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    want = _run(_engine(cfg, target), prompts[:4], params)
+    got = _run(_engine(cfg, target, _draft(other, other_cfg(), 3, topk, m)), prompts[:4], params)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert len(g.logprobs) == len(w.logprobs) == 8
+        for lw, lg in zip(w.logprobs, g.logprobs):
+            assert list(lw) == list(lg)  # same chosen token and the same top-3 ids, same order
+            np.testing.assert_allclose(list(lg.values()), list(lw.values()), rtol=1e-4, atol=1e-4)

@@ -2,6 +2,7 @@
 
     convert("path/to/hf_folder", "out_dir")            # config.json + *.safetensors
     convert("path/to/model.Q4_1.gguf", "out_dir")      # GGUF, dequantized
+    convert_draft("path/to/eagle_head", "out_dir")     # EAGLE-1 / EAGLE-3 draft head
 """
 from __future__ import annotations
 
@@ -28,4 +29,11 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16", progress:
     raise ConvertError(f"cannot convert {src}: expected a Hugging Face model folder or a .gguf file")
 
 
-__all__ = ["ConvertError", "convert"]
+def convert_draft(src: str | Path, out: str | Path, dtype: str = "bfloat16", progress: bool = True) -> Path:
+    """Convert an EAGLE-1 / EAGLE-3 head folder (config.json + pytorch_model.bin or *.safetensors)
+    to a specjax draft directory at `out`; returns `out`. See specjax.convert.draft."""
+    from specjax.convert.draft import convert_draft as _convert_draft
+    return _convert_draft(src, out, dtype=dtype, progress=progress)
+
+
+__all__ = ["ConvertError", "convert", "convert_draft"]

@@ -61,11 +61,13 @@ def _param(rngs, shape, axes, dtype, std=0.02):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, in_features: int | None = None):
+        # in_features: width of the input x (default hidden_size; EAGLE-3 heads attend over 2E)
         E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.wq = _param(rngs, (E, H, D), ("embed", "heads", None), dtype)
-        self.wk = _param(rngs, (E, K, D), ("embed", "kv_heads", None), dtype)
-        self.wv = _param(rngs, (E, K, D), ("embed", "kv_heads", None), dtype)
+        Ei = in_features or E
+        self.wq = _param(rngs, (Ei, H, D), ("embed", "heads", None), dtype)
+        self.wk = _param(rngs, (Ei, K, D), ("embed", "kv_heads", None), dtype)
+        self.wv = _param(rngs, (Ei, K, D), ("embed", "kv_heads", None), dtype)
         self.wo = _param(rngs, (H, D, E), ("heads", None, "embed"), dtype)
         if cfg.qkv_bias:
             self.bq = _param(rngs, (H, D), ("heads", None), dtype)

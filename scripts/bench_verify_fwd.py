@@ -1,0 +1,78 @@
+"""Target forward cost over T new tokens (the verify part of a speculative step), GPU machine.
+
+    python scripts/bench_verify_fwd.py --shape llama3.1-8b --tokens 1,6,17 --attention cudnn,reference
+
+Random bf16 weights; batch rows 2 (1 active, as the engine pads batch 1), context 512 in a
+1024-token paged slot; a tree-style block mask (each token sees itself and token 0) for T > 1.
+Prints ms per forward (logits included) for each T and attention implementation; run under
+different XLA_FLAGS to compare GEMM back ends.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from specjax import attention  # noqa: E402
+from specjax.kv_cache import init_cache, meta_at  # noqa: E402
+from specjax.models.llama import Llama  # noqa: E402
+from specjax.shapes import shape_config  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="llama3.1-8b")
+    p.add_argument("--tokens", default="1,6,17")
+    p.add_argument("--attention", default="cudnn,reference")
+    p.add_argument("--steps", type=int, default=30)
+    a = p.parse_args()
+    cfg = shape_config(a.shape)
+    model = Llama(cfg, jnp.bfloat16, nnx.Rngs(0))
+    gd, params = nnx.split(model)
+    leaves, tdef = jax.tree.flatten(params)
+    rows, ps, max_len, ctx = 2, 16, 1024, 512
+    cache = init_cache(cfg, num_pages=rows * max_len // ps + 1, page_size=ps, max_slots=rows, max_seq_len=max_len,
+                       dtype=jnp.bfloat16)
+    table = jnp.asarray(1 + np.arange(rows * max_len // ps, dtype=np.int32).reshape(rows, -1))
+    cache.page_table = table
+
+    def fwd(w, cache, tokens, positions, mask):
+        m = nnx.merge(gd, jax.tree.unflatten(tdef, w))
+        T = tokens.shape[1]
+        meta = meta_at(table, jnp.full((rows,), ctx, jnp.int32), jnp.array([T, 0], jnp.int32), T, ps, mask)
+        h, cache, _ = m(tokens, positions, cache, meta)
+        return jnp.argmax(m.logits(h), -1), cache
+
+    print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, "XLA_FLAGS",
+          os.environ.get("XLA_FLAGS", ""), flush=True)
+    for impl in a.attention.split(","):
+        attention.set_impl(impl)
+        for T in map(int, a.tokens.split(",")):
+            f = jax.jit(fwd, donate_argnums=(1,))
+            toks = jax.random.randint(jax.random.key(T), (rows, T), 0, cfg.vocab_size, jnp.int32)
+            pos = ctx + jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (rows, T))
+            i = jnp.arange(T)
+            mask = None if T == 1 else jnp.broadcast_to((i[:, None] == i[None, :]) | (i[None, :] == 0), (rows, T, T))
+            for _ in range(2):
+                out, cache = f(leaves, cache, toks, pos, mask)
+            jax.block_until_ready((out, cache))
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                out, cache = f(leaves, cache, toks, pos, mask)
+            jax.block_until_ready((out, cache))
+            ms = (time.perf_counter() - t0) / a.steps * 1e3
+            print(json.dumps(dict(shape=a.shape, attention=impl, T=T, ms=ms)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
