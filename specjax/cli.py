@@ -54,7 +54,8 @@ def cmd_generate(a) -> int:
         from specjax.llm import draft_method
         from specjax.tree import SpecConfig
         spec = SpecConfig(method=draft_method(a.draft), num_steps=a.num_steps, topk=a.topk, num_draft_tokens=a.num_draft_tokens)
-    llm = LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft, spec=spec)
+    llm = LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft, spec=spec,
+              tensor_parallel=a.tensor_parallel)
     chat = a.chat if a.chat is not None else bool(llm.tokenizer.chat_template)
     prepared = [_prepare(r, llm, chat) for r in rows]
     outs = llm.generate([p for p, _, _ in prepared], params)
@@ -116,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-steps", type=int, default=4, help="tokens drafted per step")
     g.add_argument("--topk", type=int, default=1, help="draft tree branching (1 = chain)")
     g.add_argument("--num-draft-tokens", type=int, default=None)
+    g.add_argument("--tensor-parallel", type=int, default=1,
+                   help="shard the model (heads, MLP, vocabulary, KV heads) over N devices")
     g.set_defaults(fn=cmd_generate)
 
     c = sub.add_parser("convert", help="convert an HF folder or a .gguf file to a specjax checkpoint")

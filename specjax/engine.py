@@ -62,10 +62,21 @@ class Draft:
 
 class Engine:
     def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
-                 draft: Draft | None = None):
+                 draft: Draft | None = None, mesh=None):
+        """mesh: a specjax.sharding mesh for tensor parallelism (None: one device). Weights are placed
+        in their shardings (a no-op when already restored so) and the device state is created
+        sharded; the steps run unchanged (GSPMD)."""
         self.cfg = cfg
         self.cache_opts, self.batch_opts = cache_opts, batch_opts
         self.draft = draft
+        rules = None
+        if mesh is not None:
+            from specjax import sharding
+            tp = mesh.shape[sharding.AXIS]
+            rules = sharding.resolve_rules(cfg, tp)
+            sharding.shard_model(model, mesh, rules)
+            if draft is not None and draft.model is not model:
+                sharding.shard_model(draft.model, mesh, sharding.resolve_rules(draft.kv_cfg, tp))
         if draft is None:
             self.steps, self.weights = decode.compile_steps(*nnx.split(model))
         else:
@@ -76,15 +87,21 @@ class Engine:
         pages_per_slot = -(-cache_opts.max_seq_len // cache_opts.page_size)
         num_pages = cache_opts.num_pages or batch_opts.max_batch * pages_per_slot + 1
         self.alloc = PageAllocator(num_pages, cache_opts.page_size, pages_per_slot, batch_opts.max_batch)
-        cache = init_cache(cfg, num_pages=num_pages, page_size=cache_opts.page_size,
-                           max_slots=batch_opts.max_batch, max_seq_len=cache_opts.max_seq_len, dtype=dtype)
-        if draft is None:
-            self.state = decode.DecodeState(cache, jnp.zeros((batch_opts.max_batch,), jnp.int32))
-        else:
+
+        def make_state():
+            cache = init_cache(cfg, num_pages=num_pages, page_size=cache_opts.page_size,
+                               max_slots=batch_opts.max_batch, max_seq_len=cache_opts.max_seq_len, dtype=dtype)
+            if draft is None:
+                return decode.DecodeState(cache, jnp.zeros((batch_opts.max_batch,), jnp.int32))
             from specjax.step import init_spec_state
             dkv = init_cache(draft.kv_cfg, num_pages=num_pages, page_size=cache_opts.page_size,
                              max_slots=batch_opts.max_batch, max_seq_len=cache_opts.max_seq_len, dtype=dtype).kv
-            self.state = init_spec_state(cache, dkv, draft.spec, cfg.vocab_size)
+            return init_spec_state(cache, dkv, draft.spec, cfg.vocab_size)
+
+        if mesh is None:
+            self.state = make_state()
+        else:
+            self.state = sharding.create_sharded(make_state, mesh, rules)
         self.slots: list[Request | None] = [None] * batch_opts.max_batch
         self.lens = np.zeros(batch_opts.max_batch, np.int64)  # host mirror of the device seq_lens
 

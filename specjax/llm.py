@@ -34,11 +34,12 @@ def draft_method(draft) -> str:
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "bfloat16", page_size: int = 16,
                  max_batch: int = 8, max_seq_len: int = 2048, num_pages: int | None = None, seed: int = 0,
-                 draft: str | Path | None = None, spec=None):
+                 draft: str | Path | None = None, spec=None, tensor_parallel: int = 1):
         """draft: None (plain decoding), "self" (the target drafts for itself: for testing), the
         directory of a converted Llama-family draft model with the target's vocabulary, or of a
         converted EAGLE-1 / EAGLE-3 head (`specjax convert --draft`).
-        spec: specjax.tree.SpecConfig (default: a chain of 4 drafted tokens with the draft's method)."""
+        spec: specjax.tree.SpecConfig (default: a chain of 4 drafted tokens with the draft's method).
+        tensor_parallel: shard heads / MLP / vocabulary / KV heads over this many devices."""
         from specjax.checkpoint import load_model, load_tokenizer
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -46,7 +47,13 @@ class LLM:
             from specjax.default_model import ensure_default
             model = ensure_default()
         self.model_dir = Path(model)
-        self.cfg, module = load_model(self.model_dir, dtype)
+        mesh = None
+        if tensor_parallel != 1:
+            from specjax import sharding
+            mesh = sharding.make_mesh(tensor_parallel)
+            self.cfg, module = sharding.restore_sharded(self.model_dir, mesh, dtype=dtype)
+        else:
+            self.cfg, module = load_model(self.model_dir, dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.max_seq_len = max_seq_len
         self.spec = None
@@ -54,7 +61,7 @@ class LLM:
         if draft is not None:
             engine_draft = self._load_draft(draft, spec, module, dtype)
         self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages),
-                             BatchOptions(max_batch), DTYPES[dtype], draft=engine_draft)
+                             BatchOptions(max_batch), DTYPES[dtype], draft=engine_draft, mesh=mesh)
         self._rng = random.Random(seed)
         self._next_id = 0
 

@@ -22,11 +22,11 @@ LENS = (1, 9, 23, 4, 15)
 
 
 def random_head(cfg: ModelConfig, method: str, seed: int = 3, draft_vocab: int | None = None,
-                aux_layers=(1, 2, 3)) -> tuple[EagleHead, EagleConfig]:
+                aux_layers=(1, 2, 3), heads=2, kv_heads=1) -> tuple[EagleHead, EagleConfig]:
     """A random EAGLE head for target cfg; EAGLE-3 with a random reduced vocabulary."""
     layer = ModelConfig.from_hf_dict(dict(
         architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        intermediate_size=48, num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
         rope_theta=10000.0))
     vd = draft_vocab or cfg.vocab_size
     ecfg = EagleConfig(method=method, layer=layer, target_vocab_size=cfg.vocab_size,
