@@ -98,7 +98,7 @@ def bench_plain(target, cfg, batch, context, max_seq_len, page_size, steps):
 
 
 def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_size, steps, breakdown=False):
-    rows = max(2, batch)
+    rows = batch  # T = N > 1 tokens per row: no 2-row padding needed (unlike the T = 1 decode step)
     slots = jnp.arange(rows, dtype=jnp.int32)
     active = jnp.arange(rows) < batch
     info = DraftInfo("eagle3", ecfg.aux_layers)
@@ -109,7 +109,7 @@ def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_
     state = step.init_spec_state(make_cache(cfg, rows, max_seq_len, page_size, jnp.bfloat16), dkv, spec,
                                  cfg.vocab_size, sample_drafts=False)
     toks = jax.random.randint(jax.random.key(0), (rows, context), 0, cfg.vocab_size, jnp.int32)
-    lens = jnp.where(active, context, 0).astype(jnp.int32)
+    lens = jnp.full((rows,), context, jnp.int32)
     _, state = fns.prefill(tw, dw, state, toks, lens, slots, None, stochastic=False)
     jax.block_until_ready(state)
 

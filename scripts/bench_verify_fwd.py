@@ -2,7 +2,7 @@
 
     python scripts/bench_verify_fwd.py --shape llama3.1-8b --tokens 1,6,17 --attention cudnn,reference
 
-Random bf16 weights; batch rows 2 (1 active, as the engine pads batch 1), context 512 in a
+Random bf16 weights; --rows batch rows (row 0 active; the engine pads batch 1 to 2 rows for T = 1), context 512 in a
 1024-token paged slot; a tree-style block mask (each token sees itself and token 0) for T > 1.
 Prints ms per forward (logits included) for each T and attention implementation; run under
 different XLA_FLAGS to compare GEMM back ends.
@@ -35,12 +35,13 @@ def main():
     p.add_argument("--tokens", default="1,6,17")
     p.add_argument("--attention", default="cudnn,reference")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rows", type=int, default=2)
     a = p.parse_args()
     cfg = shape_config(a.shape)
     model = Llama(cfg, jnp.bfloat16, nnx.Rngs(0))
     gd, params = nnx.split(model)
     leaves, tdef = jax.tree.flatten(params)
-    rows, ps, max_len, ctx = 2, 16, 1024, 512
+    rows, ps, max_len, ctx = a.rows, 16, 1024, 512
     cache = init_cache(cfg, num_pages=rows * max_len // ps + 1, page_size=ps, max_slots=rows, max_seq_len=max_len,
                        dtype=jnp.bfloat16)
     table = jnp.asarray(1 + np.arange(rows * max_len // ps, dtype=np.int32).reshape(rows, -1))
@@ -49,7 +50,8 @@ def main():
     def fwd(w, cache, tokens, positions, mask):
         m = nnx.merge(gd, jax.tree.unflatten(tdef, w))
         T = tokens.shape[1]
-        meta = meta_at(table, jnp.full((rows,), ctx, jnp.int32), jnp.array([T, 0], jnp.int32), T, ps, mask)
+        num_new = jnp.where(jnp.arange(rows) == 0, T, 0).astype(jnp.int32)  # row 0 active
+        meta = meta_at(cache.page_table, jnp.full((rows,), ctx, jnp.int32), num_new, T, ps, mask)
         h, cache, _ = m(tokens, positions, cache, meta)
         return jnp.argmax(m.logits(h), -1), cache
 
