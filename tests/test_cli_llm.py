@@ -201,3 +201,22 @@ def test_llm_draft_self_equals_plain(llm):
     with pytest.raises(ValueError, match="is a 'draft' draft"):
         LLM(llm.model_dir, dtype="float32", max_batch=2, max_seq_len=128, draft="self",
             spec=SpecConfig(method="eagle", num_steps=3))
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_cli_generate_draft_self_equals_plain(llm, tmp_path, topk):
+    """`specjax generate --draft self --temperature 0 --dtype float32`: the same text as plain
+    decoding, and (chain) every draft accepted: accept_len_mean == num_steps + 1."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps({"prompt": t}) for t in TEXTS[:2]) + "\n")
+    rc = main(["generate", "--prompts", str(src), "--output", str(out), "--max-tokens", "8", "--dtype", "float32",
+               "--temperature", "0", "--max-batch", "2", "--max-seq-len", str(MAX_SEQ), "--draft", "self",
+               "--num-steps", "3", "--topk", str(topk), "--num-draft-tokens", "3" if topk == 1 else "6"])
+    assert rc == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    chat = lambda t: llm.apply_chat_template([{"role": "user", "content": t}])  # noqa: E731
+    want = llm.generate([chat(t) for t in TEXTS[:2]], GREEDY8)
+    assert [(g["text"], g["token_ids"]) for g in got] == [(w.text, w.token_ids) for w in want]
+    assert all("accept_len_mean" in g for g in got)
+    if topk == 1:
+        assert all(g["accept_len_mean"] == 4.0 for g in got)
