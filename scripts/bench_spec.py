@@ -76,6 +76,16 @@ def timed(fn, state, steps):
     return (time.perf_counter() - t0) / steps, state
 
 
+MESH = None  # set by --tensor-parallel N > 1: weights and states are placed in their shardings
+
+
+def place(tree):
+    if MESH is None:
+        return tree
+    from specjax import sharding
+    return sharding.shard_cache(tree, MESH)
+
+
 def make_cache(cfg, rows, max_seq_len, page_size, dtype, context=None):
     P = max_seq_len // page_size
     c = init_cache(cfg, num_pages=rows * P + 1, page_size=page_size, max_slots=rows, max_seq_len=max_seq_len,
@@ -91,8 +101,8 @@ def bench_plain(target, cfg, batch, context, max_seq_len, page_size, steps):
     slots = jnp.arange(rows, dtype=jnp.int32)
     active = jnp.arange(rows) < batch
     fns, w = decode.compile_steps(*nnx.split(target))
-    st = decode.DecodeState(make_cache(cfg, rows, max_seq_len, page_size, jnp.bfloat16, context),
-                            jnp.ones((rows,), jnp.int32))
+    st = place(decode.DecodeState(make_cache(cfg, rows, max_seq_len, page_size, jnp.bfloat16, context),
+                                  jnp.ones((rows,), jnp.int32)))
     t, _ = timed(lambda s: fns.decode(w, s, slots, active, None, stochastic=False), st, steps)
     return t
 
@@ -106,8 +116,8 @@ def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_
     dgd, dp = nnx.split(head)
     fns, tw, dw = step.compile_spec_steps(info, spec, tgd, tp, dgd, dp)
     dkv = make_cache(ecfg.layer, rows, max_seq_len, page_size, jnp.bfloat16).kv
-    state = step.init_spec_state(make_cache(cfg, rows, max_seq_len, page_size, jnp.bfloat16), dkv, spec,
-                                 cfg.vocab_size, sample_drafts=False)
+    state = place(step.init_spec_state(make_cache(cfg, rows, max_seq_len, page_size, jnp.bfloat16), dkv, spec,
+                                       cfg.vocab_size, sample_drafts=False))
     toks = jax.random.randint(jax.random.key(0), (rows, context), 0, cfg.vocab_size, jnp.int32)
     lens = jnp.full((rows,), context, jnp.int32)
     _, state = fns.prefill(tw, dw, state, toks, lens, slots, None, stochastic=False)
@@ -164,28 +174,38 @@ def main():
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--breakdown", action="store_true")
+    p.add_argument("--tensor-parallel", type=int, default=1)
     a = p.parse_args()
+    global MESH
+    if a.tensor_parallel > 1:
+        from specjax import sharding
+        MESH = sharding.make_mesh(a.tensor_parallel)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
     rows = []
     for shape in a.shapes.split(","):
         cfg = shape_config(shape)
         target = Llama(cfg, jnp.bfloat16, nnx.Rngs(0))
         head, ecfg = eagle3_head(shape, cfg, jnp.bfloat16)
+        if MESH is not None:
+            from specjax import sharding
+            tp = a.tensor_parallel
+            sharding.shard_model(target, MESH, sharding.resolve_rules(cfg, tp))
+            sharding.shard_model(head, MESH, {**sharding.resolve_rules(ecfg.layer, tp), "vocab": None})
         for b in map(int, a.batches.split(",")):
             plain = bench_plain(target, cfg, b, a.context, a.max_seq_len, a.page_size, a.steps)
             for name in a.configs.split(","):
                 spec = parse_config(name)
                 fused, unf, tau, parts = bench_spec(target, cfg, head, ecfg, spec, b, a.context, a.max_seq_len,
                                                     a.page_size, a.steps, a.breakdown)
-                r = dict(shape=shape, batch=b, config=name, num_steps=spec.num_steps, topk=spec.topk,
+                r = dict(shape=shape, tp=a.tensor_parallel, batch=b, config=name, num_steps=spec.num_steps, topk=spec.topk,
                          num_draft_tokens=spec.num_draft_tokens, plain_ms=plain * 1e3, fused_ms=fused * 1e3,
                          unfused_ms=unf * 1e3, ratio=fused / plain, random_head_tau=tau, **parts)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-    print("| shape | batch | config | plain ms | fused ms | unfused ms | fused/plain |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | TP | batch | config | plain ms | fused ms | unfused ms | fused/plain |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['batch']} | {r['config']} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} "
+        print(f"| {r['shape']} | {r['tp']} | {r['batch']} | {r['config']} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} "
               f"| {r['unfused_ms']:.3f} | {r['ratio']:.2f} |")
 
 
