@@ -18,7 +18,9 @@ def paged_attention_cudnn(q, kv_pages, page_table, q_start, kv_len, block_mask=N
     k, v = gather_kv(kv_pages, page_table)  # [B, S, Hkv, D]
     S = k.shape[1]
     if T == 1 and block_mask is None and sliding_window is None:  # decode: keys [0, kv_len)
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=kv_len,
+        # a slot stepped past its last page (steps computed after a request ended are dropped)
+        # must not make cuDNN read past the S gathered keys
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=jnp.minimum(kv_len, S),
                                             implementation="cudnn")
     mask = visibility_mask(q_start, kv_len, S, T, block_mask, sliding_window, mask_start)[:, None]  # [B, 1, T, S]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")

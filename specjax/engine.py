@@ -1,21 +1,46 @@
-"""Continuous-batching generation loop over slots (plain decoding).
+"""Continuous batching over slots: a one-step-behind ("zero-bubble") host loop, preemption and
+grammar-constrained (speculative) decoding.
 
-The device owns the KV cache, sequence lengths and each slot's last token; the host keeps the
-request bookkeeping, the page allocator and reads each step's sampled tokens.
+The device state is indexed by slot and is the source of truth: KV cache, sequence lengths, each
+slot's last token or next draft tree, and each slot's sampling parameters (written at admission).
+The host (specjax.scheduler) keeps the queue, the slots, the page allocator and a mirror of the
+lengths, and reads each step's emitted tokens.
+
+One engine step (`Engine.step`):
+  1. admit queued requests into free slots: one bucketed prefill dispatch;
+  2. reserve KV pages for the next step of every running slot, for an upper bound of its length
+     (the step still in flight may add up to `advance` positions), preempting the youngest request
+     when pages run out;
+  3. dispatch step t+1 for the running slots (rows bucketed to a power of two);
+  4. read step t's outputs (their device->host copy started when t was dispatched) and deliver the
+     tokens. A request that finished or was cancelled leaves the batch here, one step late: what
+     step t+1 computed for it is dropped, so the outputs are those of the synchronous loop
+     (SchedulerOptions(async_loop=False): read every step right after dispatching it).
+
+Batches with grammar-constrained rows need step t's tokens (and next tree) before step t+1's masks.
+Plain decoding reads t, builds [B, W] masks and dispatches t+1 (one token per dispatch). Speculative
+decoding dispatches the target forward over the tree of t+1 first (it depends only on the device
+state), reads t and computes the tree masks while that runs, then dispatches acceptance + drafting
+with the masks (SchedulerOptions(overlap=False): masks first, then the fused step with masks).
+Batches without grammars run the fused speculative step.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import decode
-from specjax.kv_cache import PageAllocator, init_cache
+from specjax import programs as prog
+from specjax.kv_cache import init_cache
 from specjax.request import Request
 from specjax.sampling import SamplingArrays
+from specjax.scheduler import MIN_PREFILL_LEN, Scheduler, SchedulerOptions, bucket
+
+__all__ = ["BatchOptions", "CacheOptions", "Draft", "Engine", "SchedulerOptions", "StepUpdate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,24 +57,6 @@ class BatchOptions:
     steps_per_call: int = 8  # decode steps per dispatch; tokens past a request's stop are dropped
 
 
-def _bucket(n: int, lo: int, hi: int) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return min(b, hi) if hi >= n else b
-
-
-def _host(out, to_rows):
-    """(tokens, logprob, top_logprobs, top_ids) of a step output as host arrays [B, K, ...]."""
-    return tuple(None if x is None else to_rows(np.asarray(x))
-                 for x in (out.tokens, out.logprob, out.top_logprobs, out.top_ids))
-
-
-def _stochastic(reqs) -> bool:
-    """Whether any row samples (static: greedy-only batches compile without the sort)."""
-    return any(r is not None and r.params.temperature > 0 for r in reqs)
-
-
 @dataclasses.dataclass(frozen=True)
 class Draft:
     """A speculative-decoding draft: a Llama-family model with the target's vocabulary
@@ -60,15 +67,45 @@ class Draft:
     spec: object  # specjax.tree.SpecConfig
 
 
+@dataclasses.dataclass
+class StepUpdate:
+    """What one engine step gave a request: its new tokens (maybe none) and whether it is done."""
+    request: Request
+    token_ids: list[int]
+
+    @property
+    def finished(self) -> bool:
+        return self.request.finished
+
+
+@dataclasses.dataclass
+class _Dispatched:
+    """A dispatched program whose outputs are on their way to the host."""
+    kind: str  # "prefill" | "decode" | "spec"
+    out: object
+    trees: tuple | None  # speculative: the rows' next trees (tokens, parents [B, N])
+    rows: list[tuple[int, int, Request, int]]  # (row, slot, request, its epoch at dispatch)
+    advance: int  # positions per row counted in the scheduler's `inflight`
+
+
+def _as_rows(kind: str, x) -> np.ndarray:
+    """A step output on the host as [B, K, ...] (prefill: one token per row; decode: [K, B, ...])."""
+    x = np.asarray(x)
+    return x[:, None] if kind == "prefill" else np.swapaxes(x, 0, 1) if kind == "decode" else x
+
+
 class Engine:
     def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
-                 draft: Draft | None = None, mesh=None):
+                 draft: Draft | None = None, mesh=None, sched: SchedulerOptions | None = None, grammar=None):
         """mesh: a specjax.sharding mesh for tensor parallelism (None: one device). Weights are placed
-        in their shardings (a no-op when already restored so) and the device state is created
-        sharded; the steps run unchanged (GSPMD)."""
+        in their shardings and the device state is created sharded; the steps run unchanged (GSPMD).
+        sched: SchedulerOptions (async loop, grammar overlap). grammar: a specjax.grammar.GrammarCompiler
+        for constrained requests, or a callable building one on first use (None: they fail)."""
         self.cfg = cfg
         self.cache_opts, self.batch_opts = cache_opts, batch_opts
+        self.opts = sched or SchedulerOptions()
         self.draft = draft
+        self._grammar = grammar
         rules = None
         if mesh is not None:
             from specjax import sharding
@@ -78,161 +115,295 @@ class Engine:
             if draft is not None and draft.model is not model:
                 sharding.shard_model(draft.model, mesh, sharding.resolve_rules(draft.kv_cfg, tp))
         if draft is None:
-            self.steps, self.weights = decode.compile_steps(*nnx.split(model))
+            self.steps, self.weights = prog.plain_programs(*nnx.split(model))
+            ahead = advance = batch_opts.steps_per_call
         else:
             from specjax import step
-            self.spec_steps, self.weights, self.draft_weights = step.compile_spec_steps(
+            self.spec_steps, self.weights, self.draft_weights = prog.spec_programs(
                 draft.info, draft.spec, *nnx.split(model), *nnx.split(draft.model))
             self.lookahead = step.lookahead(draft.spec, draft.info)
+            ahead, advance = self.lookahead, draft.spec.num_steps + 1
         pages_per_slot = -(-cache_opts.max_seq_len // cache_opts.page_size)
         num_pages = cache_opts.num_pages or batch_opts.max_batch * pages_per_slot + 1
-        self.alloc = PageAllocator(num_pages, cache_opts.page_size, pages_per_slot, batch_opts.max_batch)
+        self.sched = Scheduler(num_pages=num_pages, page_size=cache_opts.page_size, max_seq_len=cache_opts.max_seq_len,
+                               max_batch=batch_opts.max_batch, max_prefill_tokens=batch_opts.max_prefill_tokens,
+                               ahead=ahead, advance=advance)
 
         def make_state():
             cache = init_cache(cfg, num_pages=num_pages, page_size=cache_opts.page_size,
                                max_slots=batch_opts.max_batch, max_seq_len=cache_opts.max_seq_len, dtype=dtype)
             if draft is None:
-                return decode.DecodeState(cache, jnp.zeros((batch_opts.max_batch,), jnp.int32))
+                from specjax.decode import DecodeState
+                return DecodeState(cache, jnp.zeros((batch_opts.max_batch,), jnp.int32))
             from specjax.step import init_spec_state
             dkv = init_cache(draft.kv_cfg, num_pages=num_pages, page_size=cache_opts.page_size,
                              max_slots=batch_opts.max_batch, max_seq_len=cache_opts.max_seq_len, dtype=dtype).kv
             return init_spec_state(cache, dkv, draft.spec, cfg.vocab_size)
 
+        self.samp: SamplingArrays = prog.init_samp(batch_opts.max_batch)  # per slot, on the device
         if mesh is None:
             self.state = make_state()
         else:
             self.state = sharding.create_sharded(make_state, mesh, rules)
-        self.slots: list[Request | None] = [None] * batch_opts.max_batch
-        self.lens = np.zeros(batch_opts.max_batch, np.int64)  # host mirror of the device seq_lens
+            self.samp = jax.device_put(self.samp, sharding.replicated(mesh))
+        self._pending: deque[_Dispatched] = deque()
+        self._updates: dict[int, StepUpdate] = {}
 
-    # -- host helpers -------------------------------------------------------------------
-    def _push_page_table(self):
-        if self.alloc.dirty:
-            cache = dataclasses.replace(self.state.cache, page_table=jnp.asarray(self.alloc.table))
-            self.state = dataclasses.replace(self.state, cache=cache)
-            self.alloc.dirty = False
+    # -- views ------------------------------------------------------------------------------
+    @property
+    def slots(self) -> list[Request | None]:
+        return self.sched.slots
 
-    def _samp(self, reqs: list[Request | None]) -> SamplingArrays:
-        p = [r.params if r is not None else None for r in reqs]
-        return SamplingArrays(
-            temperature=jnp.asarray([x.temperature if x else 0.0 for x in p], jnp.float32),
-            top_p=jnp.asarray([x.top_p if x else 1.0 for x in p], jnp.float32),
-            top_k=jnp.asarray([x.top_k if x else 0 for x in p], jnp.int32),
-            seed=jnp.asarray([r.seed if r else 0 for r in reqs], jnp.uint32),
-        )
+    @property
+    def alloc(self):
+        return self.sched.alloc
 
-    def _reserve(self, rows, ahead: int):
-        """Pages for `ahead` more positions of every busy slot; then sync the device page table."""
-        cap = self.alloc.pages_per_slot * self.alloc.page_size
-        for i, _ in rows:
-            if not self.alloc.ensure(i, min(int(self.lens[i]) + ahead, cap)):
-                raise RuntimeError("out of KV pages: raise num_pages or lower max_batch")
-        self._push_page_table()
+    @property
+    def lens(self) -> np.ndarray:
+        return self.sched.lens
 
-    def _padded_rows(self) -> list[Request | None]:
-        """The slots, padded to >= 2 rows (see decode.decode); padding rows are inactive."""
-        return self.slots + [None] * (max(2, len(self.slots)) - len(self.slots))
+    @property
+    def num_preempted(self) -> int:
+        return self.sched.num_preempted
 
-    def _append(self, slot: int, req: Request, token: int, logprob=None, top=None) -> bool:
-        """Give a token to a request; free its slot and pages when it finishes."""
-        if req.append(token, logprob, top):
-            self.slots[slot] = None
-            self.alloc.release(slot)
-            return True
+    def num_compiled(self) -> int:
+        """Compiled executables of the engine's programs (constant in steady state)."""
+        return prog.num_compiled(self.steps if self.draft is None else self.spec_steps)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request. One that cannot be served (prompt too long for the context or the cache,
+        invalid constraint) fails on its own (finish_reason "error"), reported by the next step."""
+        if not req.finished:
+            why = self.sched.never_fits(req)
+            if why is None and req.params.constraint is not None and req.grammar is None:
+                why = self._attach_grammar(req)
+            if why is None:
+                self.sched.add(req)
+                return
+            req.fail(why)
+        self._report(req)
+
+    def _attach_grammar(self, req: Request) -> str | None:
+        from specjax.grammar import GrammarCompiler
+        if self._grammar is None:
+            return "constrained decoding needs a grammar compiler (Engine(grammar=...))"
+        if not isinstance(self._grammar, GrammarCompiler):
+            try:
+                self._grammar = self._grammar()  # built on first use
+            except Exception as e:  # noqa: BLE001 - e.g. a tokenizer xgrammar cannot read: fail the request
+                return f"cannot build the grammar compiler: {type(e).__name__}: {e}"
+        try:
+            req.grammar = self._grammar.matcher(req.params.constraint, list(req.eos_ids) or None)
+        except ValueError as e:  # GrammarError, or stop ids outside the vocabulary
+            return str(e)
+        return None
+
+    def cancel(self, request_id: int) -> bool:
+        """Cancel a queued or running request (finish_reason "cancelled"); its slot and pages are
+        freed at once. False if no unfinished request has that id."""
+        for req in list(self.sched.queue):
+            if req.id == request_id:
+                self.sched.remove_queued(req)
+                req.cancel()
+                self._report(req)
+                return True
+        for slot, req in self.sched.running():
+            if req.id == request_id:
+                req.cancel()
+                self.sched.release(slot)
+                self._report(req)
+                return True
         return False
 
-    def _deliver(self, rows: list[tuple[int, int, Request]], toks, lp=None, top_lp=None, top_ids=None, counts=None):
-        """Per row b of the host arrays toks [B, K] (and logprobs [B, K], [B, K, J]), give the first
-        counts[b] (default K) tokens to the row's request. Tokens computed after a request finished
-        are dropped."""
-        for b, slot, req in rows:  # (row of the arrays, slot, request)
-            for k in range(toks.shape[1] if counts is None else int(counts[b])):
-                top = None if lp is None else list(zip(top_ids[b, k].tolist(), top_lp[b, k].tolist()))
-                if self._append(slot, req, int(toks[b, k]), None if lp is None else float(lp[b, k]), top):
-                    break
-
-    # -- steps -----------------------------------------------------------------------------
-    def _admit(self, queue: deque):
-        free = [i for i, r in enumerate(self.slots) if r is None]
-        group: list[tuple[int, Request]] = []
-        longest = 0
-        while queue and free:
-            req = queue[0]
-            n = len(req.prompt_ids)
-            T = _bucket(max(longest, n), 16, max(16, self.cache_opts.max_seq_len))
-            if group and (len(group) + 1) * T > self.batch_opts.max_prefill_tokens:
-                break
-            if not self.alloc.ensure(free[0], n + (1 if self.draft is None else self.lookahead)):
-                break
-            queue.popleft()
-            slot = free.pop(0)
-            self.slots[slot] = req
-            self.lens[slot] = n
-            group.append((slot, req))
-            longest = max(longest, n)
-        if not group:
-            return
-        self._push_page_table()
-        T = _bucket(longest, 16, max(16, self.cache_opts.max_seq_len))
-        B = _bucket(len(group), 1, self.batch_opts.max_batch)
-        tokens = np.zeros((B, T), np.int32)
-        lens = np.zeros(B, np.int32)
-        slots = np.full(B, self.batch_opts.max_batch, np.int32)  # padding rows: out of range
-        for b, (slot, req) in enumerate(group):
-            tokens[b, : len(req.prompt_ids)] = req.prompt_ids
-            lens[b], slots[b] = len(req.prompt_ids), slot
-        reqs = [r for _, r in group] + [None] * (B - len(group))
-        want_lp = any(r.logprobs is not None for _, r in group)
-        args = (self.state, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(slots), self._samp(reqs))
-        kw = dict(want_logprobs=want_lp, stochastic=_stochastic(reqs))
-        if self.draft is None:
-            out, self.state = self.steps.prefill(self.weights, *args, **kw)
-        else:
-            out, self.state = self.spec_steps.prefill(self.weights, self.draft_weights, *args, **kw)
-        self._deliver([(b, slot, r) for b, (slot, r) in enumerate(group)], *_host(out, lambda x: x[:, None]))
-
-    def _spec_decode(self):
-        """One fused speculative step (verify, accept, compact, draft the next tree) for every busy slot."""
-        rows = [(i, r) for i, r in enumerate(self.slots) if r is not None]
-        self._reserve(rows, self.lookahead)
-        reqs = self._padded_rows()
-        active = np.array([r is not None for r in reqs])
-        want_lp = any(r.logprobs is not None for _, r in rows)
-        out, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state,
-                                               jnp.arange(len(reqs), dtype=jnp.int32), jnp.asarray(active),
-                                               self._samp(reqs), want_logprobs=want_lp,
-                                               stochastic=_stochastic(reqs))
-        n_acc = np.asarray(out.num_accepted)
-        for i, req in rows:
-            self.lens[i] += int(n_acc[i])
-            req.accept_lens.append(int(n_acc[i]))
-        toks, lp, top_lp, top_ids = _host(out, lambda x: x)
-        self._deliver([(i, i, r) for i, r in rows], toks, lp, top_lp, top_ids, counts=n_acc)
-
-    def _decode(self):
-        if self.draft is not None:
-            return self._spec_decode()
-        rows = [(i, r) for i, r in enumerate(self.slots) if r is not None]
-        remaining = max(r.max_len - len(r.token_ids) for _, r in rows)
-        K = min(self.batch_opts.steps_per_call, _bucket(remaining, 1, self.batch_opts.steps_per_call))
-        self._reserve(rows, K)
-        reqs = self._padded_rows()
-        B = len(reqs)
-        active = np.array([r is not None for r in reqs])
-        want_lp = any(r.logprobs is not None for _, r in rows)
-        out, self.state = self.steps.decode_many(self.weights, self.state, jnp.arange(B, dtype=jnp.int32),
-                                                 jnp.asarray(active), self._samp(reqs), num_steps=K,
-                                                 want_logprobs=want_lp, stochastic=_stochastic(reqs))
-        self.lens[active[: len(self.slots)]] += K
-        self._deliver([(i, i, r) for i, r in rows], *_host(out, lambda x: np.swapaxes(x, 0, 1)))
+    def has_unfinished(self) -> bool:
+        return self.sched.has_work() or bool(self._pending) or bool(self._updates)
 
     def run(self, requests: list[Request]) -> None:
         """Run requests to completion (continuous batching: freed slots admit queued requests)."""
-        queue = deque(requests)
-        while queue or any(r is not None for r in self.slots):
-            self._admit(queue)
-            if any(r is not None for r in self.slots):
-                self._decode()
-            elif queue:  # nothing runs and the next request still does not fit
-                raise RuntimeError(f"request {queue[0].id} needs more KV pages than the cache has "
-                                   f"({self.alloc.num_free} free pages of {self.alloc.page_size} tokens)")
+        for r in requests:
+            self.add_request(r)
+        while self.has_unfinished():
+            self.step()
+
+    def step(self) -> list[StepUpdate]:
+        """Admit, dispatch the next step, read the previous one. Returns the requests that got
+        tokens or finished since the last call."""
+        group = self.sched.admit()
+        if group:
+            self._prefill(group)
+        elif self.sched.queue and not self.sched.running():  # an empty cache and still no room
+            req = self.sched.queue.popleft()
+            req.fail(self.sched.never_fits(req) or "the request does not fit the KV cache")
+            self._report(req)
+        if not self.opts.async_loop:
+            self._collect()
+        for req in self.sched.reserve():
+            req.fail(f"out of KV pages: the request needs more than the {self.alloc.num_free} free pages of "
+                     f"{self.alloc.page_size} tokens even alone (raise num_pages)")
+            self._report(req)
+        newest = None
+        rows = self.sched.running()
+        if rows:
+            self._push_page_table()
+            if any(r.grammar is not None for _, r in rows):
+                newest = self._constrained_step(rows)
+            else:
+                newest = self._dispatch(rows)
+        self._collect(keep=newest if self.opts.async_loop else None)
+        out = list(self._updates.values())
+        self._updates.clear()
+        return out
+
+    # -- host helpers -----------------------------------------------------------------------
+    def _report(self, req: Request, tokens=()) -> None:
+        upd = self._updates.get(id(req))
+        if upd is None:
+            self._updates[id(req)] = StepUpdate(req, list(tokens))
+        else:
+            upd.token_ids.extend(tokens)
+
+    def _push_page_table(self):
+        if self.alloc.dirty:  # a copy (the device may alias host memory), placed like the table it replaces
+            table = jax.device_put(self.alloc.table.copy(), self.state.cache.page_table.sharding)
+            cache = dataclasses.replace(self.state.cache, page_table=table)
+            self.state = dataclasses.replace(self.state, cache=cache)
+            self.alloc.dirty = False
+
+    @staticmethod
+    def _flags(reqs) -> dict:
+        """Static program flags: logprobs wanted; any row samples (greedy-only programs skip the sort)."""
+        return dict(want_logprobs=any(r.logprobs is not None for r in reqs),
+                    stochastic=any(r.params.temperature > 0 for r in reqs))
+
+    def _push(self, kind, out, trees, rows, advance) -> _Dispatched:
+        for x in jax.tree.leaves((out, trees)):
+            x.copy_to_host_async()
+        entry = _Dispatched(kind, out, trees, [(b, s, r, r.epoch) for b, (s, r) in enumerate(rows)], advance)
+        for s, _ in rows:
+            self.sched.inflight[s] += advance
+        self._pending.append(entry)
+        return entry
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def _prefill(self, group: list[tuple[int, Request]]):
+        self._push_page_table()
+        ids = [r.prefill_ids for _, r in group]
+        T = bucket(max(map(len, ids)), MIN_PREFILL_LEN, max(MIN_PREFILL_LEN, self.cache_opts.max_seq_len))
+        B = bucket(len(group), 1, self.batch_opts.max_batch)
+        tokens = np.zeros((B, T), np.int32)
+        lens = np.zeros(B, np.int32)
+        slots = np.full(B, self.batch_opts.max_batch, np.int32)  # padding rows: out of range
+        samp = SamplingArrays(np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros(B, np.int32),
+                              np.zeros(B, np.uint32))
+        for b, ((slot, req), x) in enumerate(zip(group, ids)):
+            tokens[b, : len(x)], lens[b], slots[b] = x, len(x), slot
+            p = req.params
+            samp.temperature[b], samp.top_p[b], samp.top_k[b], samp.seed[b] = p.temperature, p.top_p, p.top_k, req.seed
+        mask = None
+        if any(r.grammar is not None for _, r in group):
+            mask = self._next_masks(group, B)
+        flags = self._flags([r for _, r in group])
+        pen = self._penalty_params(group, B)
+        if self.draft is None:
+            out, trees, self.state, self.samp = self.steps.prefill(self.weights, self.state, self.samp, tokens, lens,
+                                                                   slots, samp, mask, pen, **flags)
+        else:
+            out, trees, self.state, self.samp = self.spec_steps.prefill(
+                self.weights, self.draft_weights, self.state, self.samp, tokens, lens, slots, samp, mask, pen,
+                **flags)
+        self._push("prefill", out, trees, group, 0)
+
+    def _penalty_params(self, group, B):
+        """Per-row penalty parameters for a prefill; the per-slot penalty state (token counts,
+        prompt sets) is created on the device the first time a request asks for penalties."""
+        from specjax import penalties
+        if self.state.penalties is None:
+            if not any(r.params.has_penalties for _, r in group):
+                return None
+            self.state = dataclasses.replace(self.state, penalties=penalties.init_penalty_state(
+                self.batch_opts.max_batch, self.cfg.vocab_size))
+        return penalties.penalty_params([r.params for _, r in group] + [None] * (B - len(group)))
+
+    def _dispatch(self, rows, masks=None) -> _Dispatched:
+        """One decode / fused speculative step over rows; masks(rows, B) builds grammar masks."""
+        slots, active = self.sched.row_slots(rows)
+        mask = None if masks is None else masks(rows, len(slots))
+        flags = self._flags([r for _, r in rows])
+        if self.draft is not None:
+            out, trees, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state, self.samp,
+                                                          slots, active, mask, **flags)
+            return self._push("spec", out, trees, rows, self.draft.spec.num_steps + 1)
+        spc = self.batch_opts.steps_per_call
+        K = 1 if mask is not None else min(spc, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, spc))
+        out, _, self.state = self.steps.decode_many(self.weights, self.state, self.samp, slots, active, mask,
+                                                    num_steps=K, **flags)
+        return self._push("decode", out, None, rows, K)
+
+    def _constrained_step(self, rows) -> _Dispatched | None:
+        if self.draft is not None and self.opts.overlap:
+            slots, active = self.sched.row_slots(rows)
+            verified, self.state = self.spec_steps.verify(self.weights, self.state, slots, active)
+            self._collect()  # step t (and prefills): tokens for the matchers, the trees being verified
+            mask = self._tree_masks(rows, len(slots))
+            out, trees, self.state = self.spec_steps.finish(self.weights, self.draft_weights, self.state, verified,
+                                                            self.samp, slots, active, mask,
+                                                            **self._flags([r for _, r in rows]))
+            return self._push("spec", out, trees, rows, self.draft.spec.num_steps + 1)
+        self._collect()
+        rows = self.sched.running()
+        if not rows:
+            return None
+        return self._dispatch(rows, self._next_masks if self.draft is None else self._tree_masks)
+
+    def _next_masks(self, rows, B: int) -> np.ndarray:
+        """[B, W] bitmasks of each row's next token (all ones for unconstrained rows)."""
+        mask = np.full((B, self._width()), -1, np.int32)  # fresh: the device may alias host memory
+        for b, (_, req) in enumerate(rows):
+            if req.grammar is not None and not req.finished:
+                req.grammar.next_mask(mask[b])
+        return mask
+
+    def _tree_masks(self, rows, B: int) -> np.ndarray:
+        """[B, N, W] bitmasks of the token after each node of each row's next tree."""
+        mask = np.full((B, self.draft.spec.num_nodes, self._width()), -1, np.int32)
+        for b, (_, req) in enumerate(rows):
+            if req.grammar is not None and not req.finished:
+                mask[b] = req.grammar.tree_masks(*req.tree)
+        return mask
+
+    def _width(self) -> int:
+        return (self.cfg.vocab_size + 31) // 32
+
+    # -- results ----------------------------------------------------------------------------
+    def _collect(self, keep: _Dispatched | None = None) -> None:
+        """Deliver every dispatched output older than `keep` (all of them when None)."""
+        while self._pending and self._pending[0] is not keep:
+            self._deliver(self._pending.popleft())
+
+    def _deliver(self, e: _Dispatched) -> None:
+        toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x)
+                                     for x in (e.out.tokens, e.out.logprob, e.out.top_logprobs, e.out.top_ids))
+        counts = np.asarray(e.out.num_accepted) if e.kind == "spec" else None
+        trees = None if e.trees is None else tuple(np.asarray(t) for t in e.trees)
+        for b, slot, req, epoch in e.rows:
+            n = toks.shape[1] if counts is None else int(counts[b])
+            if self.sched.slots[slot] is req and req.epoch == epoch:  # host mirror of the device length
+                self.sched.inflight[slot] -= e.advance
+                self.sched.lens[slot] += 0 if e.kind == "prefill" else n
+            if req.finished or req.epoch != epoch:
+                continue  # computed after the request finished, was cancelled or preempted: dropped
+            if e.kind == "spec":
+                req.accept_lens.append(n)
+            new = []
+            for k in range(n):
+                top = None if lp is None else list(zip(top_ids[b, k].tolist(), top_lp[b, k].tolist()))
+                new.append(int(toks[b, k]))
+                if req.append(new[-1], None if lp is None else float(lp[b, k]), top):
+                    break
+            self._report(req, new)
+            if req.finished:
+                if self.sched.slots[slot] is req:
+                    self.sched.release(slot)
+            elif trees is not None:
+                req.tree = (trees[0][b], trees[1][b])

@@ -123,7 +123,10 @@ def _short(text: str, limit: int = 80) -> str:
 
 
 def _check_schema(text: str) -> None:
-    import jsonschema
+    try:
+        import jsonschema
+    except ImportError:  # optional: xgrammar still rejects schemas it cannot compile
+        return
 
     try:
         schema = json.loads(text)
@@ -175,7 +178,8 @@ class GrammarCompiler:
 
     ``vocab_size`` is the model's vocabulary size (the logits' last dimension); it may exceed the
     tokenizer's, the extra ids are then never allowed. ``stop_token_ids`` defaults to the
-    tokenizer's EOS.
+    tokenizer's EOS. ``tokenizer`` is a Hugging Face tokenizer, or an ``xgrammar.TokenizerInfo``
+    used as is (its own vocab_size and stop tokens apply).
     """
 
     def __init__(self, tokenizer, vocab_size: int, *, stop_token_ids: Sequence[int] | None = None,
@@ -186,8 +190,11 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.width = bitmask_width(vocab_size)
         stops = list(stop_token_ids) if stop_token_ids else None
-        self.tokenizer_info = xg.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                                stop_token_ids=stops)
+        if isinstance(tokenizer, xg.TokenizerInfo):  # a vocabulary described directly (tests, custom tokenizers)
+            self.tokenizer_info = tokenizer
+        else:
+            self.tokenizer_info = xg.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                                    stop_token_ids=stops)
         self._compiler = xg.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_size = cache_size

@@ -1,20 +1,37 @@
 """The user-facing Python API: `LLM(...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax.numpy as jnp
 
 from specjax.engine import BatchOptions, CacheOptions, Engine
 from specjax.request import Request, RequestOutput
-from specjax.sampling_params import SamplingParams
+from specjax.sampling_params import SamplingParams, SamplingParamsError
+from specjax.scheduler import SchedulerOptions
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
 class PromptError(ValueError):
-    """A prompt that cannot be served (empty, too long, bad token ids)."""
+    """A prompt given with the wrong types (not a string or a list of int token ids). Prompts that are
+    well-typed but cannot be served (empty, too long, token ids outside the vocabulary) fail only
+    their own request: finish_reason "error" with the reason in RequestOutput.error."""
+
+
+@dataclasses.dataclass
+class StreamDelta:
+    """One streaming event of LLM.generate_stream: new text / tokens of the prompt at `index`."""
+    index: int  # position of the prompt in the generate_stream call
+    request_id: int
+    text: str  # new text (the deltas of a request concatenate to its final text)
+    token_ids: list[int]  # new tokens
+    finish_reason: str | None = None  # set on the request's last event
+    error: str | None = None
+    output: RequestOutput | None = None  # the final output, on the last event
 
 
 def draft_method(draft) -> str:
@@ -34,12 +51,16 @@ def draft_method(draft) -> str:
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "bfloat16", page_size: int = 16,
                  max_batch: int = 8, max_seq_len: int = 2048, num_pages: int | None = None, seed: int = 0,
-                 draft: str | Path | None = None, spec=None, tensor_parallel: int = 1):
+                 draft: str | Path | None = None, spec=None, tensor_parallel: int = 1,
+                 scheduler: SchedulerOptions | None = None):
         """draft: None (plain decoding), "self" (the target drafts for itself: for testing), the
         directory of a converted Llama-family draft model with the target's vocabulary, or of a
         converted EAGLE-1 / EAGLE-3 head (`specjax convert --draft`).
         spec: specjax.tree.SpecConfig (default: a chain of 4 drafted tokens with the draft's method).
-        tensor_parallel: shard heads / MLP / vocabulary / KV heads over this many devices."""
+        tensor_parallel: shard heads / MLP / vocabulary / KV heads over this many devices.
+        scheduler: SchedulerOptions (default: the one-step-behind async loop, grammar overlap on).
+        Constrained requests (SamplingParams json_schema / regex / grammar / choice) compile with one
+        specjax.grammar.GrammarCompiler built from the tokenizer on first use."""
         from specjax.checkpoint import load_model, load_tokenizer
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -61,7 +82,8 @@ class LLM:
         if draft is not None:
             engine_draft = self._load_draft(draft, spec, module, dtype)
         self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages),
-                             BatchOptions(max_batch), DTYPES[dtype], draft=engine_draft, mesh=mesh)
+                             BatchOptions(max_batch), DTYPES[dtype], draft=engine_draft, mesh=mesh,
+                             sched=scheduler, grammar=self._grammar_compiler)
         self._rng = random.Random(seed)
         self._next_id = 0
 
@@ -94,34 +116,93 @@ class LLM:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
-    def _request(self, prompt, params: SamplingParams, index: int) -> Request:
+    def _grammar_compiler(self):
+        from specjax.grammar import GrammarCompiler
+        return GrammarCompiler(self.tokenizer, self.cfg.vocab_size, stop_token_ids=list(self.eos_ids))
+
+    @staticmethod
+    def _params(params, index: int) -> tuple[SamplingParams, str | None]:
+        """(params, None) or (defaults, why the request's parameters are invalid). A SamplingParams is
+        validated again (its fields may have changed since construction); a dict is built into one."""
+        try:
+            if isinstance(params, dict):
+                return SamplingParams(**params), None
+            if isinstance(params, SamplingParams):
+                return dataclasses.replace(params), None
+        except SamplingParamsError as e:
+            return SamplingParams(), f"request {index}: {e}"
+        raise TypeError(f"params {index} must be a SamplingParams or a dict, got {type(params).__name__}")
+
+    def _request(self, prompt, params, index: int) -> Request:
+        """A Request; one that cannot be served is returned already failed (finish_reason "error")."""
+        params, why = self._params(params, index)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
-            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size for t in ids):
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
                 raise PromptError(f"prompt {index}: token ids must be integers in [0, {self.cfg.vocab_size})")
-        if not ids:
-            raise PromptError(f"prompt {index} is empty")
-        if len(ids) >= self.max_seq_len:
-            raise PromptError(f"prompt {index} has {len(ids)} tokens; max_seq_len={self.max_seq_len} leaves "
-                              f"no room to generate (prompt must be shorter than max_seq_len)")
+        else:
+            raise PromptError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
+        if why is None and not ids:
+            why = f"prompt {index} is empty"
+        if why is None and any(not 0 <= t < self.cfg.vocab_size for t in ids):
+            why = f"prompt {index}: token ids must be integers in [0, {self.cfg.vocab_size})"
+        if why is None and len(ids) >= self.max_seq_len:
+            why = (f"prompt {index} has {len(ids)} tokens; max_seq_len={self.max_seq_len} leaves no room to "
+                   "generate (prompt must be shorter than max_seq_len)")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         self._next_id += 1
-        return Request(self._next_id - 1, text, ids, params, self.tokenizer, self.eos_ids, self.max_seq_len,
-                       seed & 0xFFFFFFFF)
+        req = Request(self._next_id - 1, text, ids, params, self.tokenizer, self.eos_ids, self.max_seq_len,
+                      seed & 0xFFFFFFFF)
+        if why is not None:
+            req.fail(why)
+        return req
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either."""
+    def _requests(self, prompts, params) -> list[Request]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        reqs = [self._request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        return [self._request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, plist))]
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. params: one SamplingParams for
+        all, or one per prompt (a SamplingParams or a dict of its fields). A request that cannot be
+        served (bad parameters, empty / too long prompt, invalid constraint) gets finish_reason "error"
+        and its reason in `error`; the others run normally."""
+        reqs = self._requests(prompts, params)
         self.engine.run(reqs)
         return [r.output() for r in reqs]
+
+    def generate_stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
+                        ) -> Iterator[StreamDelta]:
+        """Like generate, but yields StreamDelta events as tokens arrive (one step of the engine at a
+        time); each request's last event has finish_reason and output set. Closing the generator
+        early cancels the requests still running."""
+        reqs = self._requests(prompts, params)
+        index = {id(r): i for i, r in enumerate(reqs)}
+        for r in reqs:
+            self.engine.add_request(r)
+        left = set(index)
+        try:
+            while left and self.engine.has_unfinished():
+                for upd in self.engine.step():
+                    r = upd.request
+                    if id(r) not in left:
+                        continue
+                    text = r.take_text_delta()
+                    if text or upd.token_ids or r.finished:
+                        yield StreamDelta(index[id(r)], r.id, text, list(upd.token_ids), r.finish_reason, r.error,
+                                          r.output() if r.finished else None)
+                    if r.finished:
+                        left.discard(id(r))
+        finally:
+            for r in reqs:
+                if not r.finished:
+                    self.engine.cancel(r.id)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not self.tokenizer.chat_template:

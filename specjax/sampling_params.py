@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 MAX_LOGPROBS = 20
 CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar", "choice")  # structured-output options, at most one
@@ -27,6 +28,9 @@ class SamplingParams:
     regex: str | None = None  # the output must match this regular expression
     grammar: str | None = None  # the output must match this EBNF grammar (root rule `root`)
     choice: list[str] | None = None  # the output must be exactly one of these strings
+    repetition_penalty: float = 1.0  # > 0; 1 = off. Prompt and output tokens: logit / r if > 0, else * r
+    frequency_penalty: float = 0.0  # in [-2, 2]; logit -= f * (count of the token in the output)
+    presence_penalty: float = 0.0  # in [-2, 2]; logit -= p if the token occurs in the output
 
     def __post_init__(self):
         def bad(msg):
@@ -56,7 +60,18 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        self._check_penalties()
         self._check_constraint()
+
+    def _check_penalties(self) -> None:
+        def number(name, ok, rule):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+                _invalid(f"{name} must be {rule}, got {v!r}")
+            setattr(self, name, float(v))
+        number("repetition_penalty", lambda v: v > 0, "a finite number > 0 (1 = off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            number(name, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0 = off)")
 
     def _check_constraint(self) -> None:
         """Types of the structured-output fields; their content is checked by specjax.grammar."""
@@ -80,6 +95,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the repetition / frequency / presence penalties is on."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
     def constraint(self) -> tuple[str, str] | None:

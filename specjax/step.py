@@ -19,6 +19,13 @@ Per slot (see specjax.drafter for the draft methods and their shift s):
           After verification the extend overwrites the scratch with the n accepted entries.
 Inactive rows write only to the trash page and keep their state; rows whose slot is >= max_slots
 are padding (reads clamp, updates drop).
+
+Penalties (SpecState.penalties set; specjax.penalties): acceptance sees the target's logits after
+each node penalised with the slot's counts plus the tokens on the node's path, i.e. exactly what
+plain decoding would sample from, so speculation stays lossless; the emitted tokens are counted
+before the next tree is drafted. A draft sharing the target's vocabulary ("draft", "eagle") drafts
+from penalised logits too (same counts along its own paths), which keeps acceptance up; an EAGLE-3
+head (own vocabulary) drafts unpenalised, which costs acceptance only.
 """
 from __future__ import annotations
 
@@ -33,8 +40,10 @@ from flax import nnx
 
 from pallas_kernels.kv_compact import kv_compact
 from specjax import decode, drafter, sampling, tree as tree_lib, verify
+from specjax import penalties as pen_lib
 from specjax.drafter import DraftInfo
 from specjax.kv_cache import KVCache, meta_at
+from specjax.penalties import PenaltyParams, PenaltyState
 from specjax.sampling import SamplingArrays
 from specjax.tree import SpecConfig
 
@@ -51,6 +60,7 @@ class SpecState:
     tree_parents: jax.Array  # [max_slots, N] int32
     tree_depth: jax.Array  # [max_slots, N] int32
     draft_probs: jax.Array | None  # [max_slots, N, V] float32: proposal of each chain node (sampling)
+    penalties: PenaltyState | None = None  # None: no penalties (compiled out)
 
 
 @jax.tree_util.register_dataclass
@@ -65,15 +75,16 @@ class SpecOut:
 
 
 def init_spec_state(cache: KVCache, draft_kv: list, spec: SpecConfig, vocab_size: int,
-                    sample_drafts: bool = True) -> SpecState:
+                    sample_drafts: bool = True, penalties: PenaltyState | None = None) -> SpecState:
     """Empty state around a target cache and draft pages (same page count / page size).
-    sample_drafts: keep chain proposals for speculative sampling (chains only)."""
+    sample_drafts: keep chain proposals for speculative sampling (chains only).
+    penalties: a penalty state (penalties.init_penalty_state(max_slots, vocab_size)) or None."""
     S = cache.seq_lens.shape[0]
     N = spec.num_nodes
     probs = jnp.zeros((S, N, vocab_size), jnp.float32) if spec.is_chain and sample_drafts else None
     return SpecState(cache=cache, draft_kv=list(draft_kv), draft_seq_lens=jnp.zeros((S,), jnp.int32),
                      tree_tokens=jnp.zeros((S, N), jnp.int32), tree_parents=jnp.full((S, N), -1, jnp.int32),
-                     tree_depth=jnp.zeros((S, N), jnp.int32), draft_probs=probs)
+                     tree_depth=jnp.zeros((S, N), jnp.int32), draft_probs=probs, penalties=penalties)
 
 
 def lookahead(spec: SpecConfig, info: DraftInfo) -> int:
@@ -112,9 +123,17 @@ def _pick_chain(info, draft, logits, samp, pos, vocab_size, sample_drafts):
     return tok, drafter.probs_to_target(info, draft, q, vocab_size)
 
 
+def _draft_rows(info, pen: PenaltyState | None, slots):
+    """Penalty rows for drafting (None: the draft does not share the target's vocabulary)."""
+    if pen is None or info.method == "eagle3":
+        return None
+    return pen_lib.rows(pen, slots)
+
+
 def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logits_last, samp,
-          sample_drafts):
+          sample_drafts, pen_rows=None):
     """Grow the next tree from the draft's output at the root (h_last [B, E], logits_last [B, Vd]).
+    pen_rows: penalty rows of the batch (counts including the root) to draft from penalised logits.
     Returns (Tree, draft_probs [B, N, V] or None, kv)."""
     S, k = spec.num_steps, spec.topk
     B = root.shape[0]
@@ -123,7 +142,10 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
     feat = h_last[:, None]  # [B, F, E] features of the frontier's parents (the root: F = 1)
     anc = jnp.zeros((B, 1, W), bool)  # scratch ancestors of the frontier's parents
     score = jnp.zeros((B, 1), jnp.float32)
+    if pen_rows is not None:
+        logits_last = pen_lib.apply(logits_last, pen_rows)
     lp = jax.nn.log_softmax(logits_last, axis=-1)[:, None]  # [B, 1, Vd]
+    path = jnp.zeros((B, 1, 0), jnp.int32)  # target tokens below the root on the frontier's paths
     st_tok, st_score, st_par, qs = [], [], [], []
     fr = jnp.zeros((B, 1), jnp.int32)  # frontier: indices into the previous step's candidates
     for s in range(S):
@@ -145,11 +167,15 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
         anc = jnp.take_along_axis(anc, parent[:, :, None], axis=1) | own  # [B, k, W]
         feat = jnp.take_along_axis(feat, parent[:, :, None], axis=1)  # [B, k, E]
         ftok = jnp.take_along_axis(tok, fr, axis=1)  # [B, k]
+        path = jnp.concatenate([jnp.take_along_axis(path, parent[:, :, None], axis=1), ftok[:, :, None]], axis=2)
         score = jnp.take_along_axis(sc, fr, axis=1)
         pos = jnp.broadcast_to((L + s + 1 - info.shift)[:, None], (B, k))
         meta = meta_at(pt, Ld + s * k, act * k, k, ps, block_mask=anc, mask_start=Ld)
         feat, kv = drafter.forward(info, draft, target, ftok, pos, feat, kv, pt, meta)  # [B, k, E]
-        lp = jax.nn.log_softmax(drafter.logits(info, draft, target, feat), axis=-1)  # [B, k, Vd]
+        lg = drafter.logits(info, draft, target, feat)  # [B, k, Vd]
+        if pen_rows is not None:
+            lg = pen_lib.apply(lg, pen_rows, path)
+        lp = jax.nn.log_softmax(lg, axis=-1)
     if spec.is_chain:
         tree = tree_lib.chain_tree(root, jnp.concatenate(st_tok, axis=1))
         probs = None
@@ -168,8 +194,9 @@ def _merge(tgd, tp, dgd, dp):
     return nnx.merge(tgd, tp), nnx.merge(dgd, dp)
 
 
-def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache):
-    """Write the per-slot results of rows `upd` (out-of-range rows dropped)."""
+def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, penalties=None):
+    """Write the per-slot results of rows `upd` (out-of-range rows dropped); penalties: the new
+    penalty state (None: keep the state's)."""
     def put(arr, val):
         return arr.at[upd].set(val, mode="drop")
     return SpecState(cache=cache, draft_kv=draft_kv, draft_seq_lens=draft_seq_lens,
@@ -177,18 +204,25 @@ def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache):
                      tree_parents=put(state.tree_parents, tree.parents),
                      tree_depth=put(state.tree_depth, tree.depth),
                      draft_probs=None if state.draft_probs is None else put(
-                         state.draft_probs, probs if probs is not None else 0.0))
+                         state.draft_probs, probs if probs is not None else 0.0),
+                     penalties=state.penalties if penalties is None else penalties)
 
 
 def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, tokens, lens, slots,
-                 samp: SamplingArrays, want_logprobs=False, stochastic=True):
+                 samp: SamplingArrays, want_logprobs=False, stochastic=True,
+                 penalty_params: PenaltyParams | None = None, token_mask=None):
     """Prefill ragged prompts (tokens [B, T], lens [B], slots [B]) into the target, sample the first
-    token, seed the draft over the prompt and grow the first tree. Returns (decode.StepOut, state)."""
+    token, seed the draft over the prompt and grow the first tree. penalty_params: the rows'
+    penalties (needs state.penalties; None: off for these slots). token_mask: optional [B, W] grammar
+    bitmask of the first token. Returns (decode.StepOut, state)."""
     target, draft = _merge(tgd, tp, dgd, dp)
     B, T = tokens.shape
     max_slots = state.cache.seq_lens.shape[0]
+    pen = decode.prefill_penalties(state.penalties, tokens, lens, slots, penalty_params)
     out, h, aux, cache = decode.target_prefill(target, state.cache, tokens, lens, slots, samp,
-                                               want_logprobs, stochastic, info.aux_layers)
+                                               want_logprobs, stochastic, info.aux_layers, pen=pen,
+                                               token_mask=token_mask)
+    pen = decode.count_first(pen, slots, lens, out.tokens)
     pt = cache.page_table[jnp.clip(slots, 0, max_slots - 1)]
     ps = cache.page_size
     act = (lens > 0).astype(jnp.int32)
@@ -205,9 +239,10 @@ def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: Spe
     zero = jnp.zeros_like(lens)
     h_last, lg_last, dkv = _extend(info, draft, target, state.draft_kv, pt, ps, dtoks, feats, zero, n_d)
     tree, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act, out.tokens, lens, n_d, h_last,
-                             lg_last, samp, stochastic and state.draft_probs is not None)
+                             lg_last, samp, stochastic and state.draft_probs is not None,
+                             _draft_rows(info, pen, slots))
     draft_seq_lens = state.draft_seq_lens.at[slots].set(n_d, mode="drop")
-    return out, _store(state, slots, tree, probs, dkv, draft_seq_lens, cache)
+    return out, _store(state, slots, tree, probs, dkv, draft_seq_lens, cache, pen)
 
 
 @jax.tree_util.register_dataclass
@@ -252,13 +287,16 @@ def verify_forward(info: DraftInfo, spec: SpecConfig, target, state: SpecState, 
 def accept(spec: SpecConfig, state: SpecState, ver: Verified, slots, active, samp, want_logprobs, stochastic,
            token_mask=None) -> Accepted:
     """Acceptance (greedy or rejection sampling) and compaction of the accepted path.
-    token_mask: optional [B, N, W] int32 grammar bitmask of the tokens allowed after each node."""
+    token_mask: optional [B, N, W] int32 grammar bitmask of the tokens allowed after each node.
+    With state.penalties, the logits after each node are penalised first (counts + the node's path)."""
     rs, active = _rows(state, slots, active)
     S = spec.num_steps
     act = active.astype(jnp.int32)
     L = state.cache.seq_lens[rs]
     tree = tree_lib.make_tree(state.tree_tokens[rs], state.tree_parents[rs], state.tree_depth[rs], S)
     logits = ver.logits
+    if state.penalties is not None:
+        logits = pen_lib.apply(logits, pen_lib.rows(state.penalties, rs), pen_lib.tree_path_tokens(tree))
     if token_mask is not None:
         from specjax.grammar import apply_bitmask
         logits = apply_bitmask(logits, token_mask)
@@ -284,13 +322,18 @@ def accept(spec: SpecConfig, state: SpecState, ver: Verified, slots, active, sam
 
 def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecState, ver: Verified, acc: Accepted,
                slots, active, samp, stochastic) -> SpecState:
-    """Lengths update, draft extend over the accepted entries and the next tree -> the new state."""
+    """Lengths update, penalty counts of the emitted tokens, draft extend over the accepted entries and
+    the next tree -> the new state."""
     rs, active = _rows(state, slots, active)
     max_slots = state.cache.seq_lens.shape[0]
     act = active.astype(jnp.int32)
     L, Ld = state.cache.seq_lens[rs], state.draft_seq_lens[rs]
     pt, ps = state.cache.page_table[rs], state.cache.page_size
     n = acc.out.num_accepted
+    upd = jnp.where(active, slots, max_slots)  # inactive rows: out of range -> dropped
+    pen = state.penalties
+    if pen is not None:
+        pen = pen_lib.add_tokens(pen, upd, acc.out.tokens, n)
     feats = None
     if info.uses_features:
         idx = jnp.maximum(acc.accept_idx, 0)[:, :, None]  # [B, S + 1, 1]
@@ -300,11 +343,10 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
                                    feats, Ld, n)
     L2, Ld2 = L + n, Ld + n
     nxt, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act, acc.bonus, L2, Ld2, h_last, lg_last,
-                            samp, stochastic and state.draft_probs is not None)
-    upd = jnp.where(active, slots, max_slots)  # inactive rows: out of range -> dropped
+                            samp, stochastic and state.draft_probs is not None, _draft_rows(info, pen, rs))
     cache = dataclasses.replace(acc.cache, seq_lens=state.cache.seq_lens.at[upd].set(L2, mode="drop"))
     draft_seq_lens = state.draft_seq_lens.at[upd].set(Ld2, mode="drop")
-    return _store(state, upd, nxt, probs, dkv, draft_seq_lens, cache)
+    return _store(state, upd, nxt, probs, dkv, draft_seq_lens, cache, pen)
 
 
 def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
@@ -322,7 +364,8 @@ def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecSt
 
 
 class SpecSteps(NamedTuple):
-    prefill: Callable  # (target_w, draft_w, state, tokens, lens, slots, samp, *, want_logprobs, stochastic)
+    prefill: Callable  # (target_w, draft_w, state, tokens, lens, slots, samp, *, want_logprobs, stochastic,
+    #                     penalty_params)
     step: Callable  # (target_w, draft_w, state, slots, active, samp, *, want_logprobs, stochastic)
 
 

@@ -132,13 +132,21 @@ def test_chat_applies_template(llm):
     (["hello " * MAX_SEQ], "max_seq_len"),
     ([[5, 49152]], "token ids"),
     ([[-1, 5]], "token ids"),
-    ([[5, 1.0]], "token ids"),
-    ([[5, True]], "token ids"),
 ])
-def test_prompt_errors(llm, prompts, match):
-    with pytest.raises(PromptError, match=match):
-        llm.generate(prompts, GREEDY8)
+def test_prompt_errors_fail_their_request(llm, prompts, match):
+    """Prompts that cannot be served fail alone (finish_reason "error"); the others run."""
+    outs = llm.generate(prompts, GREEDY8)
+    bad = outs[-1]
+    assert bad.finish_reason == "error" and match in bad.error and bad.token_ids == [] and bad.text == ""
+    for o in outs[:-1]:
+        check_output(llm, o)
     assert all(s is None for s in llm.engine.slots)
+
+
+@pytest.mark.parametrize("prompts", [[[5, 1.0]], [[5, True]], [3.5]])
+def test_prompt_type_errors_raise(llm, prompts):
+    with pytest.raises(PromptError, match="token ids|string or a list"):
+        llm.generate(prompts, GREEDY8)
 
 
 def test_longest_allowed_prompt_is_accepted(llm):
@@ -184,26 +192,7 @@ def test_cli_refuses_bad_input(tmp_path):
     assert "top_p" in str(e.value.code)
 
 
-def test_llm_draft_self_equals_plain(llm):
-    """LLM(draft="self"): greedy output equals plain decoding and every draft is accepted."""
-    from specjax import LLM
-    from specjax.tree import SpecConfig
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = ["The capital of France is", "def add(a, b):"]
-    spec = LLM(llm.model_dir, dtype="float32", max_batch=2, max_seq_len=128, draft="self",
-               spec=SpecConfig(method="draft", num_steps=3))
-    got = spec.generate(prompts, params)
-    want = llm.generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert all(o.accept_len_mean == 4.0 for o in got)
-    out = spec.generate("hi", SamplingParams(temperature=0.7, max_tokens=4, ignore_eos=True))[0]
-    assert len(out.token_ids) == 4  # speculative sampling
-    with pytest.raises(ValueError, match="is a 'draft' draft"):
-        LLM(llm.model_dir, dtype="float32", max_batch=2, max_seq_len=128, draft="self",
-            spec=SpecConfig(method="eagle", num_steps=3))
-
-
-@pytest.mark.parametrize("topk", [1, 2])
+@pytest.mark.parametrize("topk", [1])
 def test_cli_generate_draft_self_equals_plain(llm, tmp_path, topk):
     """`specjax generate --draft self --temperature 0 --dtype float32`: the same text as plain
     decoding, and (chain) every draft accepted: accept_len_mean == num_steps + 1."""
@@ -220,3 +209,21 @@ def test_cli_generate_draft_self_equals_plain(llm, tmp_path, topk):
     assert all("accept_len_mean" in g for g in got)
     if topk == 1:
         assert all(g["accept_len_mean"] == 4.0 for g in got)
+    from specjax import LLM
+    from specjax.tree import SpecConfig
+    with pytest.raises(ValueError, match="is a 'draft' draft"):  # a method the draft cannot serve
+        LLM(llm.model_dir, dtype="float32", max_batch=2, max_seq_len=128, draft="self",
+            spec=SpecConfig(method="eagle", num_steps=3))
+
+
+def test_cli_speculate_uses_the_shipped_head(llm, tmp_path):
+    """`specjax generate --speculate`: the shipped EAGLE-3 head, same greedy text as plain (f32)."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": TEXTS[0]}) + "\n")
+    rc = main(["generate", "--prompts", str(src), "--output", str(out), "--max-tokens", "8", "--dtype", "float32",
+               "--temperature", "0", "--max-batch", "1", "--max-seq-len", str(MAX_SEQ), "--speculate"])
+    assert rc == 0
+    got = json.loads(out.read_text())
+    want = llm.generate([llm.apply_chat_template([{"role": "user", "content": TEXTS[0]}])], GREEDY8)[0]
+    assert (got["text"], got["token_ids"]) == (want.text, want.token_ids)
+    assert got["accept_len_mean"] >= 1.0

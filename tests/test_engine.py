@@ -288,9 +288,12 @@ def test_single_slot_engine_and_steps_per_call(setup, steps_per_call):
     assert [r.token_ids for r in reqs] == greedy_tokens[:4]
 
 
-def test_cache_too_small_raises_instead_of_hanging(setup):
-    cfg, model, prompts = setup[0], setup[1], setup[2]
-    eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, num_pages=3),
-                 BatchOptions(max_batch=2), jnp.float32)
-    with pytest.raises(RuntimeError, match="needs more KV pages"):
-        eng.run(make_requests([prompts[1]], GREEDY))  # 40 tokens need 11 pages of 4
+def test_cache_too_small_fails_the_request_instead_of_hanging(setup):
+    """A request that can never fit the cache fails on its own (finish_reason "error"); one that
+    fits runs normally beside it."""
+    cfg, model, prompts, greedy_tokens = setup[0], setup[1], setup[2], setup[4]
+    eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, num_pages=6),
+                 BatchOptions(max_batch=2, steps_per_call=2), jnp.float32)
+    big, small = run(eng, make_requests([prompts[1], prompts[5]], GREEDY))  # 40 tokens need 11 pages of 4
+    assert big.finish_reason == "error" and "KV pages" in big.error and big.token_ids == []
+    assert small.finish_reason == "length" and small.token_ids == greedy_tokens[5]

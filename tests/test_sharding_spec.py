@@ -66,7 +66,7 @@ def test_llm_tensor_parallel_smollm2():
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = ["The capital of France is", "1, 2, 3,"]
     one = LLM(model, dtype="float32", max_batch=2, max_seq_len=64).generate(prompts, params)
-    tp3 = LLM(model, dtype="float32", max_batch=2, max_seq_len=64, tensor_parallel=3, draft="self")
+    tp3 = LLM(model, dtype="float32", max_batch=2, max_seq_len=64, tensor_parallel=3)
     got = tp3.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in one]
     w = tp3.engine.weights[0]

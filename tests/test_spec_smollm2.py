@@ -1,6 +1,6 @@
 """Real SmolLM2-135M-Instruct (f32): greedy speculative output equals greedy plain output token
 for token over 30 prompts, with a random EAGLE-3 head and with a small random draft model, at
-batch 1 and 8, chain and tree, page sizes 1 and 16."""
+batch 1 and 8, chain and tree, page sizes 1 and 16 (each dimension covered by one of two runs)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -60,8 +60,7 @@ def _small_draft(cfg: ModelConfig):
     return dcfg, Llama(dcfg, jnp.float32, nnx.Rngs(5))
 
 
-@pytest.mark.parametrize("kind,topk,m,page_size,batch", [
-    ("eagle3", 3, 8, 16, 8), ("eagle3", 1, None, 1, 1), ("draft", 2, 6, 1, 8), ("draft", 1, None, 16, 1)])
+@pytest.mark.parametrize("kind,topk,m,page_size,batch", [("eagle3", 3, 8, 1, 8), ("draft", 1, None, 16, 1)])
 def test_smollm2_spec_equals_plain(smol, plain, kind, topk, m, page_size, batch):
     cfg = smol[0]
     spec = SpecConfig(method=kind, num_steps=3, topk=topk, num_draft_tokens=m)

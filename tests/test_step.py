@@ -154,7 +154,7 @@ def test_draft_equals_target_accepts_everything(peaked, page_size, topk, m):
 
 
 @pytest.mark.parametrize("draft_kind,page_size,k,topk,m", [
-    ("random", 4, K, 1, None), ("noisy", 16, K, 1, None), ("noisy", 4, K, 1, None), ("noisy", 4, 1, 1, None),
+    ("random", 4, K, 1, None), ("noisy", 16, K, 1, None), ("noisy", 4, 1, 1, None),
     ("random", 1, K, 3, 8), ("noisy", 4, K, 2, 6), ("noisy", 16, 4, 4, 16)])
 def test_other_draft_is_lossless(setup, draft_kind, page_size, k, topk, m):
     """(b) a different draft model: the emitted stream equals plain greedy exactly, for 3 ragged

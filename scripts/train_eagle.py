@@ -1,0 +1,131 @@
+"""Train an EAGLE-3 head for a specjax model (thin CLI over specjax.train).
+
+    # 1. data: target responses to training prompts + the target's features, as shards
+    python scripts/train_eagle.py data --prompts data/train/gsm8k_train.jsonl --out runs/e3/data \
+        [--model DIR] [--max-prompts N] [--temperatures 0,0.7,1.0] [--max-tokens 256] [--time-budget S]
+    # 2. train (resumable) and export a draft directory usable as `specjax generate --draft OUT`
+    python scripts/train_eagle.py train --data runs/e3/data --work runs/e3/work --export OUT \
+        [--steps N] [--batch-size B] [--seq-len T] [--ttt-steps K] [--draft-vocab V] [--resume]
+    # both: `all` takes the options of the two (--skip-data reuses existing shards)
+
+Evaluation prompt sets (data/prompts/, *test* files) are refused as training data.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in s.split(",") if x.strip())
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def add_data_args(p):
+    p.add_argument("--prompts", nargs="+", required=True, help="training prompt jsonl files")
+    p.add_argument("--out", required=True, help="data directory (shards + manifest.json)")
+    p.add_argument("--model", default=None, help="converted target model dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="target dtype")
+    p.add_argument("--temperatures", type=_floats, default=(0.0, 0.7, 1.0), help="e.g. 0,0.7,1.0 (one per prompt)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--max-batch", type=int, default=128, help="generation batch (engine slots)")
+    p.add_argument("--chunk-prompts", type=int, default=1024, help="prompts per shard")
+    p.add_argument("--tokens-per-batch", type=int, default=16384, help="feature prefill batch (tokens)")
+    p.add_argument("--aux-layers", type=_ints, default=None, help="default: 2,L//2,L-3")
+    p.add_argument("--raw", action="store_true", help="no chat template")
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--data-time-budget", type=float, default=None, help="seconds; stop after the current chunk")
+
+
+def add_train_args(p, data_required=True):
+    if data_required:
+        p.add_argument("--data", required=True, help="data directory made by `data`")
+    p.add_argument("--work", required=True, help="work dir: checkpoints, logs, curves")
+    p.add_argument("--export", default=None, help="write the trained head here (a specjax draft directory)")
+    p.add_argument("--train-model", default=None, help="target dir (default: the one the data was made with)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=0.5)
+    p.add_argument("--ttt-steps", type=int, default=5, help="unrolled draft steps (training-time test)")
+    p.add_argument("--decay", type=float, default=0.8, help="loss weight of step j: decay**j")
+    p.add_argument("--draft-vocab", type=int, default=16384)
+    p.add_argument("--no-target-init", action="store_true",
+                   help="random lm_head / final norm (default: start from the target's)")
+    p.add_argument("--ckpt-every", type=int, default=200)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compute-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--param-dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--time-budget", type=float, default=None, help="seconds of training, then checkpoint + export")
+    p.add_argument("--stop-at", type=int, default=None, help="stop after this step (resume later)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --work")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_data(a, command: str) -> dict:
+    from specjax.train.data import DataConfig, build_data
+    cfg = DataConfig(prompt_files=a.prompts, out_dir=a.out, model_dir=a.model, dtype=a.dtype,
+                     temperatures=a.temperatures, max_tokens=a.max_tokens, max_prompts=a.max_prompts,
+                     max_seq_len=a.max_seq_len, max_batch=a.max_batch, chunk_prompts=a.chunk_prompts,
+                     tokens_per_batch=a.tokens_per_batch, aux_layers=a.aux_layers, chat=not a.raw,
+                     seed=a.data_seed, time_budget=a.data_time_budget,
+                     progress=not getattr(a, "no_progress", False), command=command)
+    return build_data(cfg)
+
+
+def run_train(a, data_dir: str, command: str) -> dict:
+    from specjax.train.trainer import TrainConfig, train
+    cfg = TrainConfig(data_dir=data_dir, work_dir=a.work, export_dir=a.export, model_dir=a.train_model,
+                      steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup,
+                      min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, clip=a.clip,
+                      ttt_steps=a.ttt_steps, decay=a.decay, draft_vocab_size=a.draft_vocab,
+                      init_from_target=not a.no_target_init,
+                      ckpt_every=a.ckpt_every, log_every=a.log_every, seed=a.seed, compute_dtype=a.compute_dtype,
+                      param_dtype=a.param_dtype, export_dtype=a.export_dtype, time_budget=a.time_budget,
+                      stop_at=a.stop_at, resume=a.resume, progress=not a.no_progress, command=command)
+    return train(cfg)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "python scripts/train_eagle.py " + " ".join(shlex.quote(x) for x in argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    add_data_args(sub.add_parser("data", help="generate responses and record target features"))
+    add_train_args(sub.add_parser("train", help="train (or resume) and export"))
+    both = sub.add_parser("all", help="data, then train")
+    add_data_args(both)
+    add_train_args(both, data_required=False)
+    both.add_argument("--skip-data", action="store_true", help="reuse the shards in --out as they are")
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    if a.cmd in ("data", "all"):
+        from specjax.train.data import load_manifest
+        if a.cmd == "all" and a.skip_data and load_manifest(a.out):
+            print(f"[data] skipped: reusing {a.out}", file=sys.stderr)
+        else:
+            run_data(a, command)
+        print(f"[data] stage done at {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if a.cmd in ("train", "all"):
+        run_train(a, a.data if a.cmd == "train" else a.out, command)
+        print(f"[train] stage done at {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.exit(main())

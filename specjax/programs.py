@@ -1,0 +1,136 @@
+"""The engine's jitted programs: the steps of specjax.decode / specjax.step bound to one model
+(graph definitions closed over, weights passed as flat lists), reading each row's sampling
+parameters from per-slot device arrays and taking an optional grammar bitmask.
+
+Per-slot sampling parameters (`SamplingArrays` of [max_slots]) are written by the prefill program
+at admission and gathered by slot in every step, so the host sends no per-step parameters.
+Speculative programs also return the rows' next draft trees (tokens, parents [B, N]), which the
+host needs for grammar masks of the following step.
+
+The speculative step exists fused (`step`: verify + accept + compact + draft, one program) and
+split (`verify` | `finish`) so that a grammar batch can compute its tree masks on the host while
+the target forward runs. `verify` donates the state and hands it back with the tree's K/V written
+(no copy of the cache); `finish` takes it with the logits and the masks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax import decode, step as step_lib
+from specjax.sampling import SamplingArrays
+
+_STATIC = ("want_logprobs", "stochastic")
+
+
+def init_samp(max_slots: int) -> SamplingArrays:
+    return SamplingArrays(temperature=jnp.zeros((max_slots,), jnp.float32), top_p=jnp.ones((max_slots,), jnp.float32),
+                          top_k=jnp.zeros((max_slots,), jnp.int32), seed=jnp.zeros((max_slots,), jnp.uint32))
+
+
+def _put_rows(samp_all: SamplingArrays, slots, samp: SamplingArrays) -> SamplingArrays:
+    return jax.tree.map(lambda a, v: a.at[slots].set(v, mode="drop"), samp_all, samp)
+
+
+def _take_rows(samp_all: SamplingArrays, slots) -> SamplingArrays:
+    rs = jnp.minimum(slots, samp_all.seed.shape[0] - 1)
+    return jax.tree.map(lambda a: a[rs], samp_all)
+
+
+def _binder(params):
+    leaves, treedef = jax.tree.flatten(params)
+    return leaves, lambda w: jax.tree.unflatten(treedef, w)
+
+
+class PlainPrograms(NamedTuple):
+    prefill: Callable  # (w, state, samp_all, tokens, lens, slots, samp, mask, *, want_logprobs, stochastic)
+    #                    -> (StepOut, None, state, samp_all)
+    decode_many: Callable  # (w, state, samp_all, slots, active, mask, *, num_steps, want_logprobs, stochastic)
+    #                        -> (StepOut with [K, B] fields, None, state); a mask needs num_steps == 1
+
+
+def plain_programs(graphdef, params) -> tuple[PlainPrograms, list]:
+    weights, unflat = _binder(params)
+
+    def prefill(w, state, samp_all, tokens, lens, slots, samp, mask, pen=None, *, want_logprobs, stochastic):
+        out, state = decode.prefill(graphdef, unflat(w), state, tokens, lens, slots, samp,
+                                    want_logprobs=want_logprobs, stochastic=stochastic, token_mask=mask,
+                                    penalty_params=pen)
+        return out, None, state, _put_rows(samp_all, slots, samp)
+
+    def decode_many(w, state, samp_all, slots, active, mask, *, num_steps, want_logprobs, stochastic):
+        samp = _take_rows(samp_all, slots)
+        if mask is None:
+            out, state = decode.decode_many(graphdef, unflat(w), state, slots, active, samp, num_steps,
+                                            want_logprobs=want_logprobs, stochastic=stochastic)
+            return out, None, state
+        assert num_steps == 1, "a grammar mask covers one decode step"
+        out, state = decode.decode(graphdef, unflat(w), state, slots, active, samp, want_logprobs=want_logprobs,
+                                   stochastic=stochastic, token_mask=mask)
+        return jax.tree.map(lambda x: x[None], out), None, state
+
+    return PlainPrograms(
+        prefill=jax.jit(prefill, donate_argnums=(1, 2), static_argnames=_STATIC),
+        decode_many=jax.jit(decode_many, donate_argnums=(1,), static_argnames=("num_steps",) + _STATIC),
+    ), weights
+
+
+class SpecPrograms(NamedTuple):
+    prefill: Callable  # (tw, dw, state, samp_all, tokens, lens, slots, samp, mask, *, ...)
+    #                    -> (out, trees, state, samp_all)
+    step: Callable  # fused: (tw, dw, state, samp_all, slots, active, mask, *, ...) -> (SpecOut, trees, state)
+    verify: Callable  # (tw, state, slots, active) -> (logits, h, aux), state
+    finish: Callable  # (tw, dw, state, verified, samp_all, slots, active, mask, *, ...) -> (SpecOut, trees, state)
+
+
+def _trees(state, slots):
+    rs = jnp.minimum(slots, state.tree_tokens.shape[0] - 1)
+    return state.tree_tokens[rs], state.tree_parents[rs]
+
+
+def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, draft_params):
+    """-> (SpecPrograms, target weights, draft weights)."""
+    tw0, tunflat = _binder(target_params)
+    dw0, dunflat = _binder(draft_params)
+
+    def bound(fn, tw, dw, *args, **kw):
+        return fn(info, spec, target_graphdef, tunflat(tw), draft_graphdef, dunflat(dw), *args, **kw)
+
+    def prefill(tw, dw, state, samp_all, tokens, lens, slots, samp, mask, pen=None, *, want_logprobs, stochastic):
+        out, state = bound(step_lib.spec_prefill, tw, dw, state, tokens, lens, slots, samp,
+                           want_logprobs=want_logprobs, stochastic=stochastic, token_mask=mask, penalty_params=pen)
+        return out, _trees(state, slots), state, _put_rows(samp_all, slots, samp)
+
+    def fused(tw, dw, state, samp_all, slots, active, mask, *, want_logprobs, stochastic):
+        out, state = bound(step_lib.spec_step, tw, dw, state, slots, active, _take_rows(samp_all, slots),
+                           want_logprobs=want_logprobs, stochastic=stochastic, token_mask=mask)
+        return out, _trees(state, slots), state
+
+    def verify(tw, state, slots, active):
+        target = nnx.merge(target_graphdef, tunflat(tw))
+        ver = step_lib.verify_forward(info, spec, target, state, slots, active)
+        return (ver.logits, ver.h, ver.aux), dataclasses.replace(state, cache=ver.cache)
+
+    def finish(tw, dw, state, verified, samp_all, slots, active, mask, *, want_logprobs, stochastic):
+        target, draft = nnx.merge(target_graphdef, tunflat(tw)), nnx.merge(draft_graphdef, dunflat(dw))
+        logits, h, aux = verified
+        ver = step_lib.Verified(logits=logits, h=h, aux=aux, cache=state.cache)
+        samp = _take_rows(samp_all, slots)
+        acc = step_lib.accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask=mask)
+        new = step_lib.draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic)
+        return acc.out, _trees(new, slots), new
+
+    jit = functools.partial(jax.jit, static_argnames=_STATIC)
+    return SpecPrograms(prefill=jit(prefill, donate_argnums=(2, 3)), step=jit(fused, donate_argnums=(2,)),
+                        verify=jax.jit(verify, donate_argnums=(1,)),
+                        finish=jit(finish, donate_argnums=(2,))), tw0, dw0
+
+
+def num_compiled(programs) -> int:
+    """Compiled executables held by a program tuple (for recompilation checks)."""
+    return sum(fn._cache_size() for fn in programs if hasattr(fn, "_cache_size"))

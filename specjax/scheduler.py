@@ -1,0 +1,169 @@
+"""Host-side scheduling for the engine: the request queue, slot assignment, the KV page budget
+(admission, reservation for the next step, preemption) and bucketed batch shapes. No device work.
+
+Lengths: `lens[slot]` is the slot's device sequence length after the last step whose results the
+host has read; `inflight[slot]` is the most that the dispatched but unread steps may add to it (the
+one-step-behind loop reserves pages for step t+1 before it reads step t, so it reserves for the
+upper bound lens + inflight + ahead).
+
+Preemption: when a running request cannot get the pages of its next step, the youngest running
+request (by arrival) is retracted: its slot and pages are freed and it goes back to the front of
+the queue, where it is prefilled again from its prompt plus the tokens it has generated (its
+output continues where it stopped; the tokens of steps still in flight for it are dropped, since
+its `epoch` changes). A request that cannot fit even alone fails with an error instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+
+import numpy as np
+
+from specjax.kv_cache import PageAllocator
+from specjax.request import Request
+
+MIN_PREFILL_LEN = 16  # prefill lengths are padded to a power of two >= this
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOptions:
+    async_loop: bool = True  # dispatch step t+1 before reading step t (False: the synchronous reference)
+    overlap: bool = True  # grammar + speculation: compute tree masks while the target forward runs
+
+
+def bucket(n: int, lo: int, hi: int) -> int:
+    """The smallest lo * 2^k >= n, capped at hi when hi >= n (few distinct shapes, few programs)."""
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi) if hi >= n else b
+
+
+class Scheduler:
+    def __init__(self, *, num_pages: int, page_size: int, max_seq_len: int, max_batch: int,
+                 max_prefill_tokens: int, ahead: int, advance: int):
+        """ahead: cache entries one step may touch past a slot's length (pages to hold);
+        advance: the most one step adds to a slot's length."""
+        self.max_seq_len, self.max_batch = max_seq_len, max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.ahead, self.advance = ahead, advance
+        pages_per_slot = -(-max_seq_len // page_size)
+        self.alloc = PageAllocator(num_pages, page_size, pages_per_slot, max_batch)
+        self.capacity = pages_per_slot * page_size  # cache entries one slot can address
+        self.queue: deque[Request] = deque()
+        self.slots: list[Request | None] = [None] * max_batch
+        self.lens = np.zeros(max_batch, np.int64)
+        self.inflight = np.zeros(max_batch, np.int64)
+        self.num_preempted = 0
+        self._arrivals = itertools.count()
+
+    # -- queries ------------------------------------------------------------------------------
+    def running(self) -> list[tuple[int, Request]]:
+        """(slot, request) of the occupied slots, in slot order."""
+        return [(i, r) for i, r in enumerate(self.slots) if r is not None]
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or any(r is not None for r in self.slots)
+
+    def _pages(self, length: int) -> int:
+        return -(-min(length, self.capacity) // self.alloc.page_size)
+
+    def never_fits(self, req: Request) -> str | None:
+        """Why the request can never run here (None if it can)."""
+        n = len(req.prefill_ids)
+        if n >= self.max_seq_len:
+            return (f"prompt has {n} tokens; max_seq_len={self.max_seq_len} leaves no room to generate "
+                    "(the prompt must be shorter than max_seq_len)")
+        need, have = self._pages(n + self.ahead), self.alloc.num_free + sum(map(len, self.alloc.owned))
+        if need > have:
+            return (f"request needs {need} KV pages of {self.alloc.page_size} tokens, the cache has {have}: "
+                    "raise num_pages or lower max_seq_len")
+        return None
+
+    def _target(self, slot: int) -> int:
+        """Cache entries the slot must have pages for before the next step is dispatched."""
+        return min(int(self.lens[slot] + self.inflight[slot]) + self.ahead, self.capacity)
+
+    def row_slots(self, rows: list[tuple[int, Request]], min_rows: int = 2) -> tuple[np.ndarray, np.ndarray]:
+        """(slots [B], active [B]) for a step over rows; B is bucketed (>= min_rows), padding rows
+        get slot max_batch (out of range: reads clamp, writes drop)."""
+        B = bucket(max(len(rows), min_rows), min_rows, max(min_rows, self.max_batch))
+        slots = np.full(B, self.max_batch, np.int32)
+        slots[: len(rows)] = [s for s, _ in rows]
+        return slots, np.arange(B) < len(rows)
+
+    # -- changes ------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.arrival = next(self._arrivals)
+        self.queue.append(req)
+
+    def remove_queued(self, req: Request) -> bool:
+        try:
+            self.queue.remove(req)
+            return True
+        except ValueError:
+            return False
+
+    def release(self, slot: int) -> None:
+        """Free a slot and its pages (request finished, cancelled, failed or preempted)."""
+        req = self.slots[slot]
+        if req is not None:
+            req.slot = None
+        self.slots[slot] = None
+        self.alloc.release(slot)
+        self.lens[slot] = self.inflight[slot] = 0
+
+    def admit(self) -> list[tuple[int, Request]]:
+        """Move queued requests into free slots (FCFS) while pages last and the prefill token
+        budget allows; each gets pages for its prefill plus one step. Pages the running requests
+        need for their next step are kept back, so that admission rarely forces a preemption."""
+        free = [i for i, r in enumerate(self.slots) if r is None]
+        held = sum(self.alloc.pages_needed(s, self._target(s)) for s, _ in self.running())
+        group: list[tuple[int, Request]] = []
+        longest = 0
+        while self.queue and free:
+            req = self.queue[0]
+            n = len(req.prefill_ids)
+            T = bucket(max(longest, n), MIN_PREFILL_LEN, max(MIN_PREFILL_LEN, self.max_seq_len))
+            if group and (len(group) + 1) * T > self.max_prefill_tokens:
+                break
+            slot = free[0]
+            need = self.alloc.pages_needed(slot, min(n + self.ahead, self.capacity))
+            if need + held > self.alloc.num_free or not self.alloc.ensure(slot, min(n + self.ahead, self.capacity)):
+                break
+            self.queue.popleft()
+            free.pop(0)
+            self.slots[slot] = req
+            req.slot = slot
+            self.lens[slot], self.inflight[slot] = n, 0
+            group.append((slot, req))
+            longest = max(longest, n)
+        return group
+
+    def preempt(self, slot: int) -> Request:
+        req = self.slots[slot]
+        req.epoch += 1  # outputs of steps dispatched for it so far are dropped
+        req.num_preempted += 1
+        self.num_preempted += 1
+        self.release(slot)
+        self.queue.appendleft(req)
+        return req
+
+    def reserve(self) -> list[Request]:
+        """Pages for the next step of every running slot (oldest request first), preempting the
+        youngest when pages run out. Returns the requests that cannot run even alone (their slots
+        are freed; the caller fails them)."""
+        failed = []
+        for slot, req in sorted(self.running(), key=lambda x: x[1].arrival):
+            while self.slots[slot] is req and not self.alloc.ensure(slot, self._target(slot)):
+                others = [(s, r) for s, r in self.running() if r is not req]
+                youngest = max(others, key=lambda x: x[1].arrival, default=None)
+                if youngest is not None and youngest[1].arrival > req.arrival:
+                    self.preempt(youngest[0])
+                elif others:  # the request itself is the youngest: it waits in the queue
+                    self.preempt(slot)
+                else:
+                    self.release(slot)
+                    failed.append(req)
+        return failed

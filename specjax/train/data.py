@@ -1,0 +1,270 @@
+"""Training data for EAGLE-3 heads: prompts -> target responses -> target features, in shards.
+
+    prompts (jsonl: "turns"[0] | "prompt" | "question" | "instruction")
+      -> the target's chat template -> LLM.generate at several temperatures (one per prompt, in turn)
+      -> one target prefill over prompt + response (specjax.train.features)
+      -> DATA_DIR/shard-00000.npz ... + DATA_DIR/manifest.json
+
+Shards are written one chunk of prompts at a time and recorded in the manifest, so an interrupted
+run resumes at the next chunk; a time budget stops after the chunk that exceeds it.
+Evaluation prompt sets are refused (see check_not_eval) and any training prompt that also occurs
+in the repository's evaluation prompts (data/prompts/*.jsonl) is dropped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from specjax.train.features import FeatureExtractor, Shard
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EVAL_PROMPTS_DIR = REPO_ROOT / "data" / "prompts"
+EVAL_SET_STEMS = {"mt_bench", "gsm8k", "humaneval", "alpaca", "qa", "sum", "gsm8k_test"}
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class DataError(ValueError):
+    """Training data that cannot be built or read."""
+
+
+def check_not_eval(path: str | Path) -> None:
+    """Refuse evaluation sets as training data: files named like a test split or one of the
+    evaluation prompt sets, and anything inside a `prompts/` directory."""
+    p = Path(path)
+    stem = p.name.split(".")[0].lower()
+    if "test" in stem or stem in EVAL_SET_STEMS or p.parent.name.lower() == "prompts":
+        raise DataError(f"refusing {p} as training data: it looks like an evaluation set "
+                        f"(test splits, {', '.join(sorted(EVAL_SET_STEMS))}, or prompts/ directories)")
+
+
+def prompt_text(row: dict) -> str | None:
+    """The user prompt of one jsonl row: turns[0], prompt, question or instruction (+ input)."""
+    if isinstance(row.get("turns"), list) and row["turns"] and isinstance(row["turns"][0], str):
+        return row["turns"][0]
+    for key in ("prompt", "question"):
+        if isinstance(row.get(key), str):
+            return row[key]
+    if isinstance(row.get("instruction"), str):
+        extra = row.get("input")
+        return row["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra else "")
+    return None
+
+
+def read_prompts(path: str | Path, *, allow_eval: bool = False) -> list[str]:
+    """Prompts of a jsonl file (lines without a usable field are skipped)."""
+    if not allow_eval:
+        check_not_eval(path)
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e})") from None
+            text = prompt_text(row) if isinstance(row, dict) else None
+            if text and text.strip():
+                out.append(text)
+    return out
+
+
+def eval_prompt_set(directory: Path = EVAL_PROMPTS_DIR) -> set[str]:
+    texts: set[str] = set()
+    for f in sorted(directory.glob("*.jsonl")) if directory.is_dir() else []:
+        texts.update(t.strip() for t in read_prompts(f, allow_eval=True))
+    return texts
+
+
+@dataclasses.dataclass
+class DataConfig:
+    prompt_files: list[str]
+    out_dir: str
+    model_dir: str | None = None  # None: the default model
+    dtype: str = "bfloat16"
+    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
+    max_tokens: int = 256
+    max_prompts: int | None = None
+    max_seq_len: int = 1024
+    max_batch: int = 64
+    chunk_prompts: int = 512  # prompts per shard
+    tokens_per_batch: int = 16384  # feature prefill
+    aux_layers: tuple[int, ...] | None = None  # None: (2, L//2, L-3)
+    chat: bool = True
+    seed: int = 0
+    time_budget: float | None = None  # seconds; stop after the chunk that exceeds it
+    progress: bool = True
+    command: str = ""
+
+
+def load_manifest(data_dir: str | Path) -> dict | None:
+    p = Path(data_dir) / MANIFEST
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{p} is not valid JSON: {e}") from None
+
+
+def _write_manifest(data_dir: Path, man: dict) -> None:
+    tmp = data_dir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(man, indent=2) + "\n")
+    tmp.replace(data_dir / MANIFEST)
+
+
+def select_prompts(cfg: DataConfig) -> list[str]:
+    """All prompts of cfg.prompt_files, deduplicated, minus evaluation prompts, shuffled with
+    cfg.seed, at most cfg.max_prompts."""
+    seen, prompts = set(), []
+    banned = eval_prompt_set()
+    for f in cfg.prompt_files:
+        for t in read_prompts(f):
+            key = t.strip()
+            if key in seen or key in banned:
+                continue
+            seen.add(key)
+            prompts.append(t)
+    random.Random(cfg.seed).shuffle(prompts)
+    return prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
+
+
+def _log(msg: str) -> None:
+    print(f"[data] {msg}", file=sys.stderr, flush=True)
+
+
+def build_data(cfg: DataConfig) -> dict:
+    """Generate responses and features for cfg's prompts into cfg.out_dir; returns the manifest.
+    Chunks already in the manifest are skipped (resume)."""
+    from specjax.checkpoint import load_config
+    from specjax.train.forward import default_aux_layers
+
+    t0 = time.perf_counter()
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = select_prompts(cfg)
+    if not prompts:
+        raise DataError(f"no prompts in {cfg.prompt_files}")
+    if cfg.model_dir is None:
+        from specjax.default_model import ensure_default
+        model_dir = Path(ensure_default())
+    else:
+        model_dir = Path(cfg.model_dir)
+    mcfg = load_config(model_dir)
+    aux = tuple(cfg.aux_layers) if cfg.aux_layers else default_aux_layers(mcfg.num_layers)
+    man = load_manifest(out)
+    settings = {"model_dir": str(model_dir), "dtype": cfg.dtype, "aux_layers": list(aux),
+                "temperatures": list(cfg.temperatures), "max_tokens": cfg.max_tokens, "seed": cfg.seed,
+                "chunk_prompts": cfg.chunk_prompts, "chat": cfg.chat,
+                "prompt_files": [str(f) for f in cfg.prompt_files]}
+    if man is not None and any(man.get(k) != v for k, v in settings.items() if k != "model_dir"):
+        raise DataError(f"{out / MANIFEST} was made with other settings; use another --out directory")
+    if man is None:
+        man = {"format_version": FORMAT_VERSION, **settings, "hidden_size": mcfg.hidden_size,
+               "vocab_size": mcfg.vocab_size, "feature_dtype": "bfloat16", "shards": [], "complete": False}
+    man["num_prompts"] = len(prompts)
+    man["command"] = cfg.command or man.get("command", "")
+    done = {s["chunk"] for s in man["shards"]}
+    chunks = range(0, len(prompts), cfg.chunk_prompts)
+    llm = extractor = None
+    if len(done & set(range(len(chunks)))) < len(chunks):  # work left: load the target twice
+        from specjax import LLM  # (the engine's copy, and one for the feature prefill)
+        from specjax.checkpoint import load_model
+        llm = LLM(model_dir, dtype=cfg.dtype, max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len)
+        _, module = load_model(model_dir, cfg.dtype)
+        extractor = FeatureExtractor(module, mcfg, aux, cfg.tokens_per_batch)
+    _log(f"{len(prompts)} prompts in {len(chunks)} chunks ({len(done)} done), model {model_dir} ({cfg.dtype}), "
+         f"aux layers {aux}, setup {time.perf_counter() - t0:.1f}s")
+    bar = _progress(len(chunks), cfg.progress)
+    stopped = False
+    for k, start in enumerate(chunks):
+        if k in done:
+            bar.update(1)
+            continue
+        if cfg.time_budget is not None and time.perf_counter() - t0 > cfg.time_budget:
+            stopped = True
+            _log(f"time budget {cfg.time_budget:.0f}s reached: stopping before chunk {k}")
+            break
+        shard, info = _make_chunk(cfg, llm, extractor, prompts[start: start + cfg.chunk_prompts], start)
+        name = f"shard-{k:05d}.npz"
+        shard.save(out / name)
+        man["shards"].append({"chunk": k, "file": name, "num_seqs": shard.num_seqs,
+                              "num_tokens": int(shard.offsets[-1]), **info})
+        man["shards"].sort(key=lambda s: s["chunk"])
+        _write_manifest(out, man)
+        bar.update(1)
+        bar.set_postfix(seqs=sum(s["num_seqs"] for s in man["shards"]), gen_s=f"{info['gen_s']:.1f}",
+                        feat_s=f"{info['feat_s']:.1f}")
+        _log(f"chunk {k}: {shard.num_seqs} seqs, {int(shard.offsets[-1])} tokens, generate {info['gen_s']:.1f}s "
+             f"({info['gen_tokens'] / max(info['gen_s'], 1e-9):.0f} tok/s), features {info['feat_s']:.1f}s")
+    bar.close()
+    man["complete"] = not stopped and len(man["shards"]) == len(chunks)
+    man["num_seqs"] = sum(s["num_seqs"] for s in man["shards"])
+    man["num_tokens"] = sum(s["num_tokens"] for s in man["shards"])
+    man["seconds"] = round(man.get("seconds", 0.0) + time.perf_counter() - t0, 1)
+    _write_manifest(out, man)
+    _log(f"{man['num_seqs']} sequences, {man['num_tokens']} tokens in {len(man['shards'])} shards "
+         f"({'complete' if man['complete'] else 'partial'}); {time.perf_counter() - t0:.1f}s")
+    return man
+
+
+def _make_chunk(cfg: DataConfig, llm, extractor, texts: list[str], first_index: int):
+    from specjax import SamplingParams
+
+    t0 = time.perf_counter()
+    ids, params = [], []
+    for i, text in enumerate(texts):
+        prompt = llm.apply_chat_template([{"role": "user", "content": text}]) if cfg.chat else text
+        p = llm.tokenizer.encode(prompt, add_special_tokens=False)
+        if not p or len(p) + cfg.max_tokens > cfg.max_seq_len:
+            continue  # too long for the cache
+        ids.append(p)
+        g = first_index + i
+        params.append(SamplingParams(max_tokens=cfg.max_tokens,
+                                     temperature=float(cfg.temperatures[g % len(cfg.temperatures)]),
+                                     seed=cfg.seed * 1_000_003 + g))
+    outs = llm.generate(ids, params) if ids else []
+    seqs = [p + o.token_ids for p, o in zip(ids, outs)]
+    gen_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    feats = extractor(seqs) if seqs else []
+    feat_s = time.perf_counter() - t1
+    shard = Shard.build(seqs, [len(p) for p in ids], feats)
+    return shard, {"gen_s": round(gen_s, 2), "feat_s": round(feat_s, 2),
+                   "gen_tokens": int(sum(len(o.token_ids) for o in outs))}
+
+
+def load_shards(data_dir: str | Path) -> tuple[dict, list[Shard]]:
+    man = load_manifest(data_dir)
+    if man is None:
+        raise DataError(f"{data_dir} has no {MANIFEST}: build the data first")
+    shards = [Shard.load(Path(data_dir) / s["file"]) for s in man["shards"]]
+    if not shards:
+        raise DataError(f"{data_dir}: the manifest lists no shards")
+    return man, shards
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix(self, **kw):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        enabled = False
+    if not enabled:
+        return _NoBar()
+    return tqdm(total=total, desc="data chunks", unit="chunk", file=sys.stderr)

@@ -1,0 +1,147 @@
+"""From data shards to training batches: the draft vocabulary and packed rows.
+
+Draft vocabulary: the `size` target tokens the target predicts most often in the responses of the
+training data (ties: lower id first), sorted by id. d2t[d] = target_id - d (what EagleHead stores);
+t2d[target_id] = draft id or -1.
+
+Packing: sequences (truncated to seq_len) are placed first-fit-decreasing into rows of seq_len
+tokens; each gets its own segment id (1, 2, ... inside a row; 0 = padding) and positions from 0.
+The loss runs where the target predicts a response token: label[u] = t2d[next_ids[u]] for
+prompt_len - 1 <= u <= n - 2, else -1.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.train.features import Shard
+
+
+def loss_span(prompt_len: int, n: int) -> tuple[int, int]:
+    """[lo, hi) of the token indices whose target prediction is trained on."""
+    return max(prompt_len - 1, 0), max(n - 1, 0)
+
+
+def label_counts(shards: list[Shard], vocab_size: int) -> np.ndarray:
+    """How often the target predicts each token inside the loss spans."""
+    parts = []
+    for sh in shards:
+        for s in range(sh.num_seqs):
+            a, b = int(sh.offsets[s]), int(sh.offsets[s + 1])
+            lo, hi = loss_span(int(sh.prompt_lens[s]), b - a)
+            parts.append(sh.next_ids[a + lo: a + hi])
+    flat = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    return np.bincount(flat, minlength=vocab_size)[:vocab_size].astype(np.int64)
+
+
+def draft_vocab(counts: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """-> (d2t [size] int32, t2d [V] int32, share of the label mass the draft vocabulary covers)."""
+    V = len(counts)
+    if not 0 < size <= V:
+        raise ValueError(f"draft vocabulary size {size} must be in 1..{V} (the target vocabulary)")
+    order = np.lexsort((np.arange(V), -counts))  # most frequent first, ties by id
+    ids = np.sort(order[:size]).astype(np.int32)
+    t2d = np.full(V, -1, np.int32)
+    t2d[ids] = np.arange(size, dtype=np.int32)
+    covered = float(counts[ids].sum() / max(counts.sum(), 1))
+    return ids - np.arange(size, dtype=np.int32), t2d, covered
+
+
+@dataclasses.dataclass
+class Packed:
+    ids: np.ndarray  # [R, T] int32
+    seg: np.ndarray  # [R, T] int32
+    pos: np.ndarray  # [R, T] int32
+    aux: np.ndarray  # [R, T, 3E] uint16
+    label: np.ndarray  # [R, T] int32
+
+    @property
+    def num_rows(self) -> int:
+        return self.ids.shape[0]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return dataclasses.asdict(self)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays().values())
+
+
+def pack(shards: list[Shard], t2d: np.ndarray, seq_len: int, seed: int = 0) -> Packed:
+    seqs = [(k, s) for k, sh in enumerate(shards) for s in range(sh.num_seqs)
+            if sh.offsets[s + 1] - sh.offsets[s] >= 2]
+    if not seqs:
+        raise ValueError("no sequence of at least 2 tokens to train on")
+    lens = np.array([min(int(shards[k].offsets[s + 1] - shards[k].offsets[s]), seq_len) for k, s in seqs])
+    cap = np.full(len(seqs), seq_len, np.int64)
+    row_of = np.empty(len(seqs), np.int64)
+    for i in np.argsort(-lens, kind="stable"):  # first fit decreasing
+        r = int(np.argmax(cap >= lens[i]))
+        row_of[i] = r
+        cap[r] -= lens[i]
+    used = np.flatnonzero(cap < seq_len)
+    rows = np.random.default_rng(seed).permutation(used)  # long-first packing -> shuffle the rows
+    new_row = np.empty(len(seqs), np.int64)
+    new_row_map = {int(r): i for i, r in enumerate(rows)}
+    for i in range(len(seqs)):
+        new_row[i] = new_row_map[int(row_of[i])]
+    R, E3 = len(rows), shards[0].aux.shape[1]
+    out = Packed(ids=np.zeros((R, seq_len), np.int32), seg=np.zeros((R, seq_len), np.int32),
+                 pos=np.zeros((R, seq_len), np.int32), aux=np.zeros((R, seq_len, E3), np.uint16),
+                 label=np.full((R, seq_len), -1, np.int32))
+    fill = np.zeros(R, np.int64)
+    nseg = np.zeros(R, np.int32)
+    for i, (k, s) in enumerate(seqs):
+        sh, r, n = shards[k], new_row[i], int(lens[i])
+        a = int(sh.offsets[s])
+        c = int(fill[r])
+        nseg[r] += 1
+        out.ids[r, c: c + n] = sh.ids[a: a + n]
+        out.seg[r, c: c + n] = nseg[r]
+        out.pos[r, c: c + n] = np.arange(n)
+        out.aux[r, c: c + n] = sh.aux[a: a + n]
+        lo, hi = loss_span(int(sh.prompt_lens[s]), n)
+        if hi > lo:
+            out.label[r, c + lo: c + hi] = t2d[sh.next_ids[a + lo: a + hi]]
+        fill[r] += n
+    return out
+
+
+@jax.jit
+def _take(arrays, idx):
+    return jax.tree.map(lambda a: a[idx], arrays)
+
+
+class Batches:
+    """Deterministic batches of packed rows: batch `step` is a pure function of (seed, step), so a
+    resumed run sees the same data as an uninterrupted one. Each epoch is a fresh permutation."""
+
+    def __init__(self, packed: Packed, batch_size: int, seed: int = 0, device_bytes: int = 16 << 30):
+        self.packed, self.batch_size, self.seed = packed, batch_size, seed
+        self.num_rows = packed.num_rows
+        self._perms: dict[int, np.ndarray] = {}
+        self.on_device = packed.nbytes <= device_bytes
+        self._dev = jax.device_put(packed.arrays()) if self.on_device else None
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: np.random.default_rng((self.seed, epoch)).permutation(self.num_rows)}
+        return self._perms[epoch]
+
+    def indices(self, step: int) -> np.ndarray:
+        g = step * self.batch_size + np.arange(self.batch_size)
+        return np.array([self._perm(int(e))[int(i)] for e, i in zip(g // self.num_rows, g % self.num_rows)],
+                        np.int32)
+
+    def get(self, step: int) -> dict:
+        idx = self.indices(step)
+        if self.on_device:
+            return _take(self._dev, jnp.asarray(idx))
+        return jax.device_put({k: v[idx] for k, v in self.packed.arrays().items()})
+
+    @property
+    def steps_per_epoch(self) -> float:
+        return self.num_rows / self.batch_size

@@ -1,0 +1,326 @@
+"""Train an EAGLE-3 head on data shards (specjax.train.data) and export it as a draft directory.
+
+WORK_DIR holds: vocab.npz (d2t, t2d), ckpt/ (orbax: params + optimizer state, every ckpt_every
+steps and at the end), train_log.jsonl (one line per log_every steps), curves.png, summary.json.
+`resume=True` continues from the latest checkpoint (same data order: batches depend on the step
+only); without it a work directory that already holds checkpoints is refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.train import dataset, forward
+from specjax.train.data import load_shards
+from specjax.train.loss import LossConfig, tau_estimate, ttt_loss
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    data_dir: str
+    work_dir: str
+    export_dir: str | None = None
+    model_dir: str | None = None  # None: the manifest's model
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 2048
+    lr: float = 5e-4
+    warmup: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    ttt_steps: int = 5
+    decay: float = 0.8
+    draft_vocab_size: int = 16384
+    init_from_target: bool = True  # lm_head / final norm start as the target's (draft-vocab columns)
+    ckpt_every: int = 200
+    log_every: int = 10
+    seed: int = 0
+    compute_dtype: str = "auto"  # auto: bfloat16 on GPU, float32 elsewhere
+    param_dtype: str = "float32"  # master weights (and Adam moments)
+    export_dtype: str = "bfloat16"
+    time_budget: float | None = None  # seconds of training; then checkpoint + export
+    stop_at: int | None = None  # stop (checkpoint, export) after this step; resume later
+    resume: bool = False
+    progress: bool = True
+    command: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptConfig:
+    lr: float
+    warmup: int
+    steps: int
+    min_lr_ratio: float
+    weight_decay: float
+    clip: float
+
+    def schedule(self):
+        import optax
+        warm = max(1, min(self.warmup, self.steps - 1))
+        return optax.warmup_cosine_decay_schedule(0.0, self.lr, warm, max(self.steps, warm + 1),
+                                                  self.lr * self.min_lr_ratio)
+
+    def optimizer(self):
+        import optax
+        return optax.chain(optax.clip_by_global_norm(self.clip),
+                           optax.adamw(self.schedule(), b1=0.9, b2=0.95, weight_decay=self.weight_decay))
+
+
+@functools.lru_cache(maxsize=8)
+def train_step_fn(dims: forward.HeadDims, lcfg: LossConfig, ocfg: OptConfig):
+    """Jitted (params, opt_state, embed, batch) -> (params, opt_state, metrics); cached per config
+    so that repeated runs in one process reuse the compiled program."""
+    import optax
+    opt = ocfg.optimizer()
+
+    def step(params, opt_state, embed, batch):
+        (loss, m), grads = jax.value_and_grad(ttt_loss, has_aux=True)(params, embed, batch, dims, lcfg)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {**m, "total": loss, "gnorm": optax.tree.norm(grads)}
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _log(msg: str) -> None:
+    print(f"[train] {msg}", file=sys.stderr, flush=True)
+
+
+def _compute_dtype(name: str) -> str:
+    if name == "auto":
+        return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    return name
+
+
+class _Ckpt:
+    """orbax CheckpointManager over {"params": flat dict, "opt": leaves of the optimizer state}."""
+
+    def __init__(self, path: Path):
+        import orbax.checkpoint as ocp
+        self.ocp = ocp
+        self.mngr = ocp.CheckpointManager(path.absolute(), options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, enable_async_checkpointing=False))
+
+    def latest(self) -> int | None:
+        return self.mngr.latest_step()
+
+    def save(self, step: int, params, opt_state) -> None:
+        leaves = jax.tree.leaves(opt_state)
+        tree = {"params": params, "opt": {f"{i:04d}": x for i, x in enumerate(leaves)}}
+        self.mngr.save(step, args=self.ocp.args.StandardSave(tree), force=True)
+        self.mngr.wait_until_finished()
+
+    def restore(self, step: int, params, opt_state):
+        leaves, treedef = jax.tree.flatten(opt_state)
+        like = {"params": params, "opt": {f"{i:04d}": x for i, x in enumerate(leaves)}}
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
+        got = self.mngr.restore(step, args=self.ocp.args.StandardRestore(abstract))
+        return got["params"], jax.tree.unflatten(treedef, [got["opt"][f"{i:04d}"] for i in range(len(leaves))])
+
+    def close(self):
+        self.mngr.close()
+
+
+def _vocab(work: Path, shards, vocab_size: int, size: int, resume: bool):
+    path = work / "vocab.npz"
+    if resume and path.is_file():
+        with np.load(path) as z:
+            return z["d2t"], z["t2d"], float(z["covered"])
+    d2t, t2d, covered = dataset.draft_vocab(dataset.label_counts(shards, vocab_size), size)
+    np.savez(path, d2t=d2t, t2d=t2d, covered=covered)
+    return d2t, t2d, covered
+
+
+def _mean_metrics(ms: list[dict]) -> dict:
+    host = jax.device_get(ms)
+    out = {k: np.mean([np.asarray(m[k], np.float64) for m in host], axis=0) for k in host[0]}
+    return {k: (v.tolist() if np.ndim(v) else float(v)) for k, v in out.items()}
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) training; returns the summary (also written to WORK_DIR/summary.json)."""
+    from specjax.checkpoint import load_flat
+    t0 = time.perf_counter()
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = _Ckpt(work / "ckpt")
+    start = ckpt.latest()
+    if start is not None and not cfg.resume:
+        raise ValueError(f"{work} already holds checkpoints (latest step {start}): pass resume=True "
+                         "(--resume) or use another work directory")
+    man, shards = load_shards(cfg.data_dir)
+    model_dir = cfg.model_dir or man["model_dir"]
+    target_hf = forward.read_hf_config(model_dir)
+    tcfg, tflat = load_flat(model_dir, "float32")
+    d2t, t2d, covered = _vocab(work, shards, tcfg.vocab_size, cfg.draft_vocab_size, cfg.resume)
+    hf = forward.head_hf_config(target_hf, len(d2t), man["aux_layers"])
+    ecfg = forward.head_config(hf, tcfg)
+    dims = forward.HeadDims.of(ecfg)
+    cdt = _compute_dtype(cfg.compute_dtype)
+    lcfg = LossConfig(cfg.ttt_steps, cfg.decay, cdt)
+    ocfg = OptConfig(cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio, cfg.weight_decay, cfg.clip)
+    packed = dataset.pack(shards, t2d, cfg.seq_len, cfg.seed)
+    batches = dataset.Batches(packed, cfg.batch_size, cfg.seed)
+    n_tok = int(sum(s["num_tokens"] for s in man["shards"]))
+    _log(f"data: {man.get('num_seqs', '?')} seqs, {n_tok} tokens -> {packed.num_rows} rows x {cfg.seq_len} "
+         f"({packed.nbytes / 2**30:.2f} GiB, {'on device' if batches.on_device else 'host'}); "
+         f"{batches.steps_per_epoch:.1f} steps/epoch; draft vocab {len(d2t)} covers {covered:.1%} of labels; "
+         f"compute {cdt}; setup {time.perf_counter() - t0:.1f}s")
+    embed = jnp.asarray(tflat["embed"], cdt)
+    params = forward.init_params(ecfg, cfg.seed)
+    if cfg.init_from_target:
+        params.update(forward.target_init(tflat, d2t))
+    del tflat
+    params = {k: v.astype(cfg.param_dtype) for k, v in params.items()}
+    opt_state = ocfg.optimizer().init(params)
+    step = 0
+    log_path = work / "train_log.jsonl"
+    if start is not None:
+        params, opt_state = ckpt.restore(start, params, opt_state)
+        step = start
+        _log(f"resumed from step {start}")
+    # committed to one device either way (fresh or restored): a restored, committed array would
+    # otherwise miss the compiled step of an uncommitted one
+    params, opt_state = jax.device_put((params, opt_state), jax.devices()[0])
+    _trim_log(log_path, step)
+    fn = train_step_fn(dims, lcfg, ocfg)
+    sched = ocfg.schedule()
+    bar = _bar(cfg, step)
+    pending: list[dict] = []
+    t_train = time.perf_counter()
+    last = None
+    saved = start
+    stopped_early = False
+    while step < cfg.steps:
+        params, opt_state, m = fn(params, opt_state, embed, batches.get(step))
+        pending.append(m)
+        step += 1
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            last = _mean_metrics(pending)
+            pending = []
+            last.update(step=step, lr=float(sched(step - 1)), elapsed=round(time.perf_counter() - t0, 2),
+                        tau_est=tau_estimate(last["acc"]))
+            with open(log_path, "a") as f:
+                f.write(json.dumps(last) + "\n")
+            bar.set_postfix(loss=f"{last['total']:.3f}", acc0=f"{last['acc'][0]:.3f}", tau=f"{last['tau_est']:.2f}")
+        if step % cfg.ckpt_every == 0 and step < cfg.steps:
+            ckpt.save(step, params, opt_state)
+            saved = step
+        if cfg.stop_at is not None and step >= cfg.stop_at:
+            stopped_early = step < cfg.steps
+            break
+        if cfg.time_budget is not None and time.perf_counter() - t_train > cfg.time_budget:
+            stopped_early = step < cfg.steps
+            if stopped_early:
+                _log(f"time budget {cfg.time_budget:.0f}s reached at step {step}")
+            break
+    bar.close()
+    jax.block_until_ready(params)
+    train_s = time.perf_counter() - t_train
+    if saved != step:
+        ckpt.save(step, params, opt_state)
+    ckpt.close()
+    from specjax.train.plot import plot_curves
+    plot_curves(log_path, work / "curves.png")
+    summary = {"step": step, "target_steps": cfg.steps, "stopped_early": stopped_early,
+               "train_seconds": round(train_s, 1), "resumed_from": start,
+               "tokens_per_step": cfg.batch_size * cfg.seq_len, "final": _final(log_path),
+               "draft_vocab_size": len(d2t), "draft_vocab_coverage": covered,
+               "data": {k: man.get(k) for k in ("prompt_files", "num_prompts", "num_seqs", "num_tokens",
+                                                "temperatures", "max_tokens", "aux_layers", "dtype",
+                                                "command", "complete")},
+               "config": {**dataclasses.asdict(cfg), "compute_dtype": cdt}, "model_dir": str(model_dir)}
+    (work / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _log(f"{step} steps in {train_s:.1f}s ({(step - (start or 0)) / max(train_s, 1e-9):.2f} steps/s); "
+         f"final {summary['final']}")
+    if cfg.export_dir:
+        export(params, d2t, hf, cfg.export_dir, cfg.export_dtype, summary, work)
+    return summary
+
+
+def _trim_log(path: Path, step: int) -> None:
+    """Keep only log lines up to `step` (a resumed run rewrites what came after its checkpoint)."""
+    if not path.is_file():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _final(log_path: Path, last_n: int = 5) -> dict:
+    rows = [json.loads(ln) for ln in log_path.read_text().splitlines() if ln.strip()] if log_path.is_file() else []
+    if not rows:
+        return {}
+    rows = rows[-last_n:]
+    acc = np.mean([r["acc"] for r in rows], axis=0).tolist()
+    return {"step": rows[-1]["step"], "loss": float(np.mean([r["total"] for r in rows])),
+            "loss_per_step": np.round(np.mean([r["loss"] for r in rows], axis=0), 4).tolist(),
+            "acc_per_step": np.round(acc, 4).tolist(), "tau_est": round(tau_estimate(acc), 3)}
+
+
+def _bar(cfg: TrainConfig, initial: int):
+    from specjax.train.data import _NoBar
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    if not cfg.progress:
+        return _NoBar()
+    return tqdm(total=cfg.steps, initial=initial, desc="train", unit="step", file=sys.stderr)
+
+
+def export(params, d2t, hf: dict, out_dir: str | Path, dtype: str, summary: dict, work: Path | None = None) -> Path:
+    """Write the head as a specjax draft directory (checkpoint.save_draft_dir) + TRAINING.md."""
+    from specjax.checkpoint import save_draft_dir
+    flat = {k: np.asarray(jax.device_get(v), np.float32) for k, v in params.items()}
+    flat["d2t"] = np.asarray(d2t, np.int32)
+    out = save_draft_dir(out_dir, flat, hf, dtype, source="specjax.train (EAGLE-3, training-time test)")
+    if work is not None and (work / "curves.png").is_file():
+        shutil.copy(work / "curves.png", out / "curves.png")
+    (out / "TRAINING.md").write_text(training_md(summary, dtype))
+    _log(f"exported the head to {out}")
+    return out
+
+
+def training_md(s: dict, dtype: str) -> str:
+    c, d, f = s["config"], s["data"], s.get("final") or {}
+    steps_line = " | ".join(f"{i}" for i in range(len(f.get("acc_per_step", []))))
+    lines = [
+        "# EAGLE-3 head: how it was trained", "",
+        f"Target: `{s['model_dir']}`. Trained with specjax.train (JAX): training-time test over "
+        f"{c['ttt_steps']} unrolled steps, loss weights {c['decay']}^j, labels = the target's greedy next "
+        f"token; exported in {dtype}.", "",
+        "## Commands", "",
+        "```bash", *dict.fromkeys(x for x in (d.get("command"), c.get("command")) if x), "```", "",
+        "## Data", "",
+        f"- prompt files: {', '.join(d.get('prompt_files') or [])} ({d.get('num_prompts')} prompts used; "
+        f"{'all chunks' if d.get('complete') else 'partial: time budget'})",
+        f"- responses generated by the target ({d.get('dtype')}) at temperatures {d.get('temperatures')} "
+        f"(one per prompt, in turn), max {d.get('max_tokens')} tokens",
+        f"- {d.get('num_seqs')} sequences, {d.get('num_tokens')} tokens; aux layers (inputs of) {d.get('aux_layers')}",
+        f"- draft vocabulary: {s['draft_vocab_size']} most frequent target predictions "
+        f"(covering {s['draft_vocab_coverage']:.1%} of the training labels)", "",
+        "## Training", "",
+        f"- {s['step']} steps (of {s['target_steps']}{', stopped by the time budget' if s['stopped_early'] else ''}), "
+        f"batch {c['batch_size']} x {c['seq_len']} packed tokens, AdamW lr {c['lr']} (warmup {c['warmup']}, "
+        f"cosine to {c['min_lr_ratio']} x), clip {c['clip']}, compute {c['compute_dtype']}; lm_head / final norm "
+        f"{'initialised from the target' if c.get('init_from_target') else 'random'}",
+        f"- {s['train_seconds']} s of training", "",
+        "## Final metrics (mean of the last log entries)", "",
+        f"| step j | {steps_line} |", "|---" * (len(f.get('acc_per_step', [])) + 1) + "|",
+        "| loss | " + " | ".join(f"{x:.3f}" for x in f.get("loss_per_step", [])) + " |",
+        "| top-1 acc | " + " | ".join(f"{x:.3f}" for x in f.get("acc_per_step", [])) + " |", "",
+        f"Weighted loss {f.get('loss', float('nan')):.4f}; chain acceptance estimate from the accuracies "
+        f"tau ~ {f.get('tau_est')} (measure the real one with `specjax eval`).", "",
+        "![curves](curves.png)", "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,253 @@
+"""EAGLE-3 training (specjax.train) on a tiny random target with a word-level tokenizer:
+the training forward equals the inference head over the paged cache (steps 0..2 of a chain),
+data generation writes shards, training lowers the loss, checkpoint/resume continues the same run,
+and the exported head loads and decodes losslessly in LLM (greedy output == plain output)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import tiny_config
+from tiny_dir import make_tiny_model_dir, tiny_hf_config, word_prompts
+
+from specjax.checkpoint import load_draft, read_meta
+from specjax.kv_cache import meta_at
+from specjax.models import eagle
+from specjax.train import data as data_lib
+from specjax.train import dataset, forward
+from specjax.train.loss import LossConfig, ttt_loss
+from specjax.train.trainer import TrainConfig, train
+
+AUX = (1, 2, 3)
+VD = 60
+
+
+def _head(seed=0):
+    """A random EAGLE-3 head with the tiny target's dimensions: (target cfg, head cfg, flat params
+    (no d2t), EagleHead with the same state). Built from numpy (no eager random init: fast on CPU)."""
+    cfg = tiny_config(num_hidden_layers=4)
+    ecfg = forward.head_config(forward.head_hf_config(tiny_hf_config(4), VD, AUX), cfg)
+    rng = np.random.default_rng(seed)
+    flat = {k: (rng.normal(size=shape) * 0.2 if len(shape) > 1 else 1.0 + 0.1 * rng.normal(size=shape))
+            .astype(np.float32) for k, (shape, _) in eagle.param_specs(ecfg).items() if k != "d2t"}
+    d2t = np.sort(rng.choice(cfg.vocab_size, VD, replace=False)).astype(np.int32) - np.arange(VD, dtype=np.int32)
+    abstract = nnx.eval_shape(lambda: eagle.EagleHead(ecfg, jnp.float32, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    pure = nnx.to_pure_dict(state)
+    full = {**flat, "d2t": d2t}
+
+    def fill(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                fill(value, f"{prefix}{key}.")
+            else:
+                node[key] = jnp.asarray(full[f"{prefix}{key}"])
+    fill(pure, "")
+    nnx.replace_by_pure_dict(state, pure)
+    return cfg, ecfg, {k: jnp.asarray(v) for k, v in flat.items()}, nnx.merge(graphdef, state)
+
+
+def test_training_forward_equals_paged_head():
+    """Steps 0..2 of the unrolled forward over a packed row (two sequences + padding) equal the
+    inference head: step 0 as a prefill over the paged cache, steps 1, 2 as chain nodes drafted
+    from a root at index t (scratch entries with the engine's block mask)."""
+    cfg, ecfg, flat, head = _head()
+    E, T, K = cfg.hidden_size, 40, 3
+    rng = np.random.default_rng(0)
+    embed = jnp.asarray(rng.normal(size=(cfg.vocab_size, E)).astype(np.float32))
+    na, nb = 13, 19
+    ids = rng.integers(0, cfg.vocab_size, size=T).astype(np.int32)
+    seg = np.array([1] * na + [2] * nb + [0] * (T - na - nb), np.int32)
+    pos = np.concatenate([np.arange(na), np.arange(nb), np.zeros(T - na - nb, int)]).astype(np.int32)
+    aux = rng.normal(size=(T, 3 * E)).astype(np.float32) * 2.0
+    dims = forward.HeadDims.of(ecfg)
+    unrolled = jax.jit(lambda *a: [(h, v) for _, h, v in forward.unrolled(flat, dims, embed, *a, K)])
+    outs = {j: (np.asarray(h[0]), np.asarray(v[0])) for j, (h, v) in enumerate(unrolled(
+        jnp.asarray(ids)[None], jnp.asarray(seg)[None], jnp.asarray(pos)[None], jnp.asarray(aux)[None]))}
+    graphdef, state = nnx.split(head)
+    head_call = jax.jit(lambda st, *a: nnx.merge(graphdef, st)(*a, embed))
+    # validity: x_{t+1+j} in the same sequence
+    assert outs[0][1][: na - 1].all() and not outs[0][1][na - 1] and not outs[0][1][na + nb - 1:].any()
+    assert outs[2][1][na: na + nb - 3].all() and not outs[2][1][na + nb - 3]
+
+    ps, W = 4, K - 1
+    for a, n in ((0, na), (na, nb)):  # each sequence alone through the paged head
+        sids, saux = ids[a: a + n], aux[a: a + n]
+        cache = eagle.init_head_cache(ecfg, num_pages=16, page_size=ps, max_slots=1, max_seq_len=64,
+                                      dtype=jnp.float32)
+        pt = jnp.arange(1, 17, dtype=jnp.int32)[None]
+        P = 24  # one padded prefill shape for both sequences (one compile)
+        feats = head.features(tuple(jnp.split(jnp.asarray(np.pad(saux[: n - 1], ((0, P - n + 1), (0, 0))))[None],
+                                              3, axis=-1)))
+        h0, cache0 = head_call(state, jnp.asarray(np.pad(sids[1:], (0, P - n + 1)))[None],
+                               jnp.arange(P, dtype=jnp.int32)[None], feats, cache,
+                               meta_at(pt, jnp.zeros(1, jnp.int32), jnp.array([n - 1]), P, ps))
+        np.testing.assert_allclose(outs[0][0][a: a + n - 1], np.asarray(h0[0, : n - 1]), rtol=2e-5, atol=2e-5)
+        for t in (0, 3, n - 4):  # roots x_{t+1}: draft chain x_{t+2}, x_{t+3}
+            Ld = t + 1
+            c, feat = cache0, h0[:, t: t + 1]
+            for j in range(1, K):
+                bm = jnp.asarray(np.arange(W) < j)[None, None]  # ancestors' scratch entries + itself
+                meta = meta_at(pt, jnp.array([Ld + j - 1]), jnp.array([1]), 1, ps, block_mask=bm,
+                               mask_start=jnp.array([Ld]))
+                feat, c = head_call(state, jnp.asarray(sids[t + 1 + j: t + 2 + j])[None],
+                                    jnp.array([[t + j]], jnp.int32), feat, c, meta)
+                np.testing.assert_allclose(outs[j][0][a + t], np.asarray(feat[0, 0]), rtol=2e-5, atol=2e-5,
+                                           err_msg=f"step {j}, root index {t}")
+    # logits too
+    np.testing.assert_allclose(np.asarray(forward.draft_logits(flat, dims, jnp.asarray(outs[1][0])[None]))[0],
+                               np.asarray(head.logits(jnp.asarray(outs[1][0])[None], None))[0], rtol=1e-5,
+                               atol=1e-4)
+
+
+def test_loss_masks_and_vocab():
+    counts = np.array([5, 0, 9, 9, 1, 7])
+    d2t, t2d, cov = dataset.draft_vocab(counts, 3)
+    assert list(d2t + np.arange(3)) == [2, 3, 5] and list(t2d) == [-1, -1, 0, 1, -1, 2]
+    assert cov == pytest.approx(25 / 31)
+    w = np.arange(12, dtype=np.float32).reshape(2, 6)  # [E, V]
+    init = forward.target_init({"lm_head": w, "norm.scale": np.full(2, 3.0)}, d2t)
+    assert init["lm_head"].tolist() == w[:, [2, 3, 5]].tolist() and init["norm.scale"].tolist() == [3.0, 3.0]
+    tied = forward.target_init({"embed": w.T, "norm.scale": np.ones(2)}, d2t)  # tied: embed [V, E]
+    assert tied["lm_head"].tolist() == w[:, [2, 3, 5]].tolist()
+    cfg, ecfg, flat, _ = _head()
+    dims = forward.HeadDims.of(ecfg)
+    B, T, E = 2, 16, cfg.hidden_size
+    batch = {"ids": jnp.ones((B, T), jnp.int32), "seg": jnp.ones((B, T), jnp.int32),
+             "pos": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
+             "aux": jnp.zeros((B, T, 3 * E), jnp.uint16), "label": jnp.full((B, T), -1, jnp.int32)}
+    embed = jnp.zeros((cfg.vocab_size, E))
+    loss_fn = jax.jit(lambda b: ttt_loss(flat, embed, b, dims, LossConfig(3)))
+    loss, m = loss_fn(batch)
+    assert float(loss) == 0.0 and list(np.asarray(m["count"])) == [0, 0, 0]
+    batch["label"] = batch["label"].at[:, 5].set(7)
+    _, m = loss_fn(batch)
+    assert list(np.asarray(m["count"])) == [2, 2, 2]  # label at 5 is seen by steps 0, 1, 2 at t = 4, 3, 2
+
+
+def test_refuses_eval_sets(tmp_path):
+    for name in ("gsm8k_test.jsonl", "mt_bench.jsonl", "humaneval.jsonl", "sum.jsonl"):
+        with pytest.raises(data_lib.DataError, match="evaluation set"):
+            data_lib.check_not_eval(tmp_path / name)
+    with pytest.raises(data_lib.DataError, match="evaluation set"):
+        data_lib.check_not_eval(tmp_path / "prompts" / "anything.jsonl")
+    data_lib.check_not_eval(tmp_path / "train" / "gsm8k_train.jsonl")
+    rows = tmp_path / "train.jsonl"
+    mt = data_lib.read_prompts(data_lib.EVAL_PROMPTS_DIR / "mt_bench.jsonl", allow_eval=True)[0]
+    rows.write_text("\n".join(json.dumps(r) for r in [{"question": "q1"}, {"turns": ["q2", "x"]},
+                                                      {"prompt": mt}, {"other": 1}]) + "\n")
+    cfg = data_lib.DataConfig([str(rows)], str(tmp_path / "out"))
+    assert sorted(data_lib.select_prompts(cfg)) == ["q1", "q2"]  # the eval prompt is dropped
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """Tiny target dir -> data (8 prompts, 2 temperatures) -> 30 training steps -> export."""
+    root = tmp_path_factory.mktemp("train")
+    model = make_tiny_model_dir(root / "model")
+    prompts = root / "prompts_train.jsonl"
+    prompts.write_text("".join(json.dumps({"question": p}) + "\n" for p in word_prompts(8)))
+    dcfg = data_lib.DataConfig([str(prompts)], str(root / "data"), model_dir=str(model), dtype="float32",
+                               temperatures=(0.0, 1.0), max_tokens=24, max_seq_len=64, max_batch=4,
+                               chunk_prompts=4, tokens_per_batch=256, aux_layers=AUX, progress=False)
+    man = data_lib.build_data(dcfg)
+    tcfg = TrainConfig(data_dir=str(root / "data"), work_dir=str(root / "work"), export_dir=str(root / "head"),
+                       steps=30, batch_size=2, seq_len=64, lr=3e-2, warmup=3, ttt_steps=3, draft_vocab_size=VD,
+                       ckpt_every=20, log_every=5, progress=False, export_dtype="float32")
+    summary = train(tcfg)
+    return root, model, man, tcfg, summary, dcfg
+
+
+def test_data_shards(pipeline):
+    root, model, man, _, _, dcfg = pipeline
+    assert man["complete"] and len(man["shards"]) == 2 and man["num_seqs"] == 8
+    assert man["aux_layers"] == list(AUX)
+    stamp = [(root / "data" / s["file"]).stat().st_mtime_ns for s in man["shards"]]
+    again = data_lib.build_data(dcfg)  # every chunk is done: nothing is regenerated
+    assert again["shards"] == man["shards"] and again["complete"]
+    assert [(root / "data" / s["file"]).stat().st_mtime_ns for s in man["shards"]] == stamp
+    with pytest.raises(data_lib.DataError, match="other settings"):
+        data_lib.build_data(dataclasses.replace(dcfg, temperatures=(0.5,)))
+    _, shards = data_lib.load_shards(root / "data")
+    sh = shards[0]
+    assert sh.aux.dtype == np.uint16 and sh.aux.shape == (sh.ids.shape[0], 3 * 32)
+    # the stored features are the target's aux hidden states; next_ids its greedy predictions
+    from specjax.checkpoint import load_model
+    from specjax.kv_cache import init_cache
+    cfg, target = load_model(model, "float32")
+    n = int(sh.offsets[1])
+    cache = init_cache(cfg, num_pages=8, page_size=16, max_slots=1, max_seq_len=64, dtype=jnp.float32)
+    pt = jnp.arange(1, 5, dtype=jnp.int32)[None]
+    cache = type(cache)(kv=cache.kv, page_table=pt, seq_lens=cache.seq_lens)
+    graphdef, state = nnx.split(target)
+
+    @jax.jit
+    def run(state, tokens, cache):
+        m = nnx.merge(graphdef, state)
+        h, _, aux = m(tokens, jnp.arange(n, dtype=jnp.int32)[None], cache,
+                      meta_at(pt, jnp.zeros(1, jnp.int32), jnp.array([n]), n, 16), AUX)
+        return jnp.concatenate(aux, -1)[0].astype(jnp.bfloat16), jnp.argmax(m.logits(h), -1)[0]
+    ref, nxt = run(state, jnp.asarray(sh.ids[:n])[None], cache)
+    got = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(sh.aux[:n]), jnp.bfloat16))
+    np.testing.assert_allclose(got.astype(np.float32), np.asarray(ref).astype(np.float32), rtol=1e-2, atol=1e-2)
+    assert (np.asarray(nxt) == sh.next_ids[:n]).all()
+    # greedy rows (temperature 0, even prompt indices): the response is the target's argmax chain
+    p = int(sh.prompt_lens[0])
+    assert (sh.ids[p:n] == sh.next_ids[p - 1: n - 1]).all()
+
+
+def test_training_lowers_loss_and_exports(pipeline):
+    root, model, _, _, summary, _ = pipeline
+    log = [json.loads(x) for x in (root / "work" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [5, 10, 15, 20, 25, 30]
+    assert log[-1]["total"] < 0.75 * log[0]["total"], (log[0]["total"], log[-1]["total"])
+    assert summary["step"] == 30 and (root / "work" / "curves.png").stat().st_size > 1000
+    assert read_meta(root / "head")["kind"] == "eagle3"
+    assert "training-time test" in (root / "head" / "TRAINING.md").read_text()
+    from specjax.checkpoint import load_config
+    _, ecfg = load_draft(root / "head", load_config(model), "float32")
+    assert ecfg.aux_layers == AUX and ecfg.draft_vocab_size == VD
+
+
+def test_resume_continues_same_run(pipeline, tmp_path):
+    """Stop at step 20, then resume to 30: the same log as the uninterrupted run."""
+    root, _, _, tcfg, _, _ = pipeline
+    part = dataclasses.replace(tcfg, work_dir=str(tmp_path / "w"), export_dir=None, stop_at=20)
+    s1 = train(part)
+    assert s1["step"] == 20 and s1["stopped_early"]
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        train(dataclasses.replace(part, stop_at=None))
+    s2 = train(dataclasses.replace(part, stop_at=None, resume=True))
+    assert s2["resumed_from"] == 20 and s2["step"] == 30
+    full = [json.loads(x) for x in (root / "work" / "train_log.jsonl").read_text().splitlines()]
+    got = [json.loads(x) for x in (tmp_path / "w" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == [r["step"] for r in full]
+    for a, b in zip(full, got):
+        np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-4, err_msg=f"step {a['step']}")
+
+
+def test_exported_head_in_specjax_eval(pipeline, capsys):
+    """`specjax eval` with the exported head: speculative greedy output == plain output, a real
+    acceptance (the head has learnt its training prompts), the table, JSON and PNG written."""
+    from specjax import cli
+    root, model, _, _, _, _ = pipeline
+    texts = [json.loads(x)["question"] for x in (root / "prompts_train.jsonl").read_text().splitlines()]
+    pf = root / "evalset.jsonl"
+    pf.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts[0:4:2]))  # greedy-trained ones
+    out = root / "eval"
+    rc = cli.main(["eval", "--model", str(model), "--draft", str(root / "head"), "--prompts", str(pf),
+                   "--max-tokens", "16", "--dtype", "float32", "--max-seq-len", "128", "--num-steps", "3",
+                   "--json", f"{out}.json", "--markdown", f"{out}.md", "--png", f"{out}.png"])
+    assert rc == 0, capsys.readouterr().err
+    s = json.loads(Path(f"{out}.json").read_text())
+    c = s["categories"]["evalset"]
+    assert c["prompts"] == 2 and c["identical"] == 2 and c["tokens_plain"] == c["tokens_spec"] > 0
+    assert c["tau"] > 1.0 and s["overall"]["tau"] == pytest.approx(c["tau"])
+    assert "| evalset | 2 |" in Path(f"{out}.md").read_text() and "| evalset | 2 |" in capsys.readouterr().out
+    assert Path(f"{out}.png").stat().st_size > 1000
