@@ -143,15 +143,7 @@ def load_model(model_dir: str | Path, dtype: Any = None) -> tuple[ModelConfig, L
     if jax.tree_util.tree_leaves(rest):
         raise CheckpointError("model has non-parameter state that a checkpoint cannot fill")
     pure = nnx.to_pure_dict(params)
-
-    def fill(node: dict, prefix: str) -> None:
-        for key, value in node.items():
-            name = f"{prefix}{key}"
-            if isinstance(value, dict):
-                fill(value, name + ".")
-            else:
-                node[key] = jnp.asarray(flat[name])  # names/shapes checked against param_specs
-    fill(pure, "")
+    fill_pure(pure, flat)  # names/shapes checked against param_specs
     nnx.replace_by_pure_dict(params, pure)
     return cfg, nnx.merge(graphdef, params, rest)
 
@@ -169,8 +161,20 @@ def load_tokenizer(model_dir: str | Path):
         raise CheckpointError(f"cannot load the tokenizer of {d}: {type(e).__name__}: {e}") from e
 
 
-def _check_flat(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], what: str) -> None:
-    specs = param_specs(cfg)
+def fill_pure(pure: dict, flat: dict, convert=jnp.asarray) -> None:
+    """Fill a nested nnx pure dict in place from flat 'a.b.c' names."""
+    def fill(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                fill(value, name + ".")
+            else:
+                node[key] = convert(flat[name])
+    fill(pure, "")
+
+
+def _check_specs(specs: dict, shapes: dict[str, tuple[int, ...]], what: str, against: str) -> None:
+    """CheckpointError naming missing / unexpected / mis-shaped parameters of `shapes` vs `specs`."""
     missing = sorted(set(specs) - set(shapes))
     extra = sorted(set(shapes) - set(specs))
     bad = [f"{k}: {shapes[k]} != expected {specs[k][0]}" for k in sorted(set(specs) & set(shapes))
@@ -183,7 +187,11 @@ def _check_flat(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], what: str)
     if bad:
         problems.append(f"shape mismatch: {'; '.join(bad[:6])}")
     if problems:
-        raise CheckpointError(f"{what} does not match the config ({cfg.architecture}): " + " | ".join(problems))
+        raise CheckpointError(f"{what} does not match {against}: " + " | ".join(problems))
+
+
+def _check_flat(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], what: str) -> None:
+    _check_specs(param_specs(cfg), shapes, what, f"the config ({cfg.architecture})")
 
 
 # ---- draft heads (EAGLE-1 / EAGLE-3): same layout, specjax.json carries "kind" ----
@@ -260,15 +268,7 @@ def load_draft(draft_dir: str | Path, target_cfg: ModelConfig, dtype: Any = None
     abstract = nnx.eval_shape(lambda: EagleHead(cfg, DTYPES[fdtype.name], rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
-
-    def fill(node: dict, prefix: str) -> None:
-        for key, value in node.items():
-            name = f"{prefix}{key}"
-            if isinstance(value, dict):
-                fill(value, name + ".")
-            else:
-                node[key] = jnp.asarray(flat[name])  # names/shapes checked against eagle.param_specs
-    fill(pure, "")
+    fill_pure(pure, flat)  # names/shapes checked against eagle.param_specs
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state), cfg
 
@@ -276,17 +276,4 @@ def load_draft(draft_dir: str | Path, target_cfg: ModelConfig, dtype: Any = None
 def _check_draft_flat(cfg, shapes: dict[str, tuple[int, ...]], what: str) -> None:
     from specjax.models.eagle import param_specs as draft_specs
 
-    specs = draft_specs(cfg)
-    missing = sorted(set(specs) - set(shapes))
-    extra = sorted(set(shapes) - set(specs))
-    bad = [f"{k}: {shapes[k]} != expected {specs[k][0]}" for k in sorted(set(specs) & set(shapes))
-           if tuple(shapes[k]) != tuple(specs[k][0])]
-    problems = []
-    if missing:
-        problems.append(f"missing {len(missing)} parameter(s): {', '.join(missing[:6])}")
-    if extra:
-        problems.append(f"unexpected {len(extra)} parameter(s): {', '.join(extra[:6])}")
-    if bad:
-        problems.append(f"shape mismatch: {'; '.join(bad[:6])}")
-    if problems:
-        raise CheckpointError(f"{what} does not match the {cfg.method} head config: " + " | ".join(problems))
+    _check_specs(draft_specs(cfg), shapes, what, f"the {cfg.method} head config")

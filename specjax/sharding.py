@@ -247,14 +247,7 @@ def _build_model(cfg, jdtype, flat: dict):
     abstract = nnx.eval_shape(lambda: Llama(cfg, jdtype, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     pure = nnx.to_pure_dict(params)
-
-    def fill(node: dict, prefix: str) -> None:
-        for key, value in node.items():
-            name = f"{prefix}{key}"
-            if isinstance(value, dict):
-                fill(value, name + ".")
-            else:
-                node[key] = flat[name]  # already on the mesh
-    fill(pure, "")
+    from specjax.checkpoint import fill_pure
+    fill_pure(pure, flat, convert=lambda x: x)  # already on the mesh
     nnx.replace_by_pure_dict(params, pure)
     return nnx.merge(graphdef, params, rest)
