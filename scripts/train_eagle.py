@@ -7,12 +7,16 @@
     python scripts/train_eagle.py train --data runs/e3/data --work runs/e3/work --export OUT \
         [--steps N] [--batch-size B] [--seq-len T] [--ttt-steps K] [--draft-vocab V] [--resume]
     # both: `all` takes the options of the two (--skip-data reuses existing shards)
+    # 0. prompts beyond GSM8K: written by the target itself + tasks over installed Python text
+    python scripts/train_eagle.py prompts --out runs/e3/prompts.jsonl [--self-instruct N] [--passages N]
 
 Evaluation prompt sets (data/prompts/, *test* files) are refused as training data.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import random
 import shlex
 import sys
 import time
@@ -43,6 +47,18 @@ def add_data_args(p):
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--data-time-budget", type=float, default=None, help="seconds; stop after the current chunk")
+    p.add_argument("--no-features", action="store_true",
+                   help="store token ids only; training computes the target's features on the fly")
+
+
+def add_prompt_args(p):
+    p.add_argument("--out", required=True, help="jsonl to write")
+    p.add_argument("--model", default=None, help="converted target model dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--self-instruct", type=int, default=40000, help="user messages written by the target")
+    p.add_argument("--passages", type=int, default=40000, help="task prompts over installed Python text")
+    p.add_argument("--max-batch", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
 
 
 def add_train_args(p, data_required=True):
@@ -59,13 +75,15 @@ def add_train_args(p, data_required=True):
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=0.5)
-    p.add_argument("--ttt-steps", type=int, default=5, help="unrolled draft steps (training-time test)")
+    p.add_argument("--ttt-steps", type=int, default=6, help="unrolled draft steps (training-time test)")
     p.add_argument("--decay", type=float, default=0.8, help="loss weight of step j: decay**j")
     p.add_argument("--draft-vocab", type=int, default=16384)
     p.add_argument("--no-target-init", action="store_true",
                    help="random lm_head / final norm (default: start from the target's)")
     p.add_argument("--ckpt-every", type=int, default=200)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--heldout", type=float, default=0.01, help="share of packed rows held out (acc@k)")
+    p.add_argument("--eval-every", type=int, default=200, help="steps between held-out evaluations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--param-dtype", default="float32", choices=["bfloat16", "float32"])
@@ -82,9 +100,25 @@ def run_data(a, command: str) -> dict:
                      temperatures=a.temperatures, max_tokens=a.max_tokens, max_prompts=a.max_prompts,
                      max_seq_len=a.max_seq_len, max_batch=a.max_batch, chunk_prompts=a.chunk_prompts,
                      tokens_per_batch=a.tokens_per_batch, aux_layers=a.aux_layers, chat=not a.raw,
-                     seed=a.data_seed, time_budget=a.data_time_budget,
+                     seed=a.data_seed, time_budget=a.data_time_budget, features=not a.no_features,
                      progress=not getattr(a, "no_progress", False), command=command)
     return build_data(cfg)
+
+
+def run_prompts(a) -> None:
+    from specjax.train import prompts
+    t0 = time.perf_counter()
+    rows = prompts.passage_prompts(a.passages, seed=a.seed) if a.passages else []
+    print(f"[prompts] {len(rows)} passage prompts in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if a.self_instruct:
+        from specjax import LLM
+        llm = LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=256)
+        rows += prompts.self_instruct(llm, a.self_instruct, seed=a.seed)
+    random.Random(a.seed).shuffle(rows)
+    prompts.write_jsonl(rows, a.out)
+    kinds = collections.Counter(r["source"].split(":")[0] for r in rows)
+    print(f"[prompts] wrote {len(rows)} prompts to {a.out} ({dict(kinds)}) in {time.perf_counter() - t0:.1f}s",
+          file=sys.stderr)
 
 
 def run_train(a, data_dir: str, command: str) -> dict:
@@ -94,7 +128,8 @@ def run_train(a, data_dir: str, command: str) -> dict:
                       min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, clip=a.clip,
                       ttt_steps=a.ttt_steps, decay=a.decay, draft_vocab_size=a.draft_vocab,
                       init_from_target=not a.no_target_init,
-                      ckpt_every=a.ckpt_every, log_every=a.log_every, seed=a.seed, compute_dtype=a.compute_dtype,
+                      ckpt_every=a.ckpt_every, log_every=a.log_every, heldout=a.heldout,
+                      eval_every=a.eval_every, seed=a.seed, compute_dtype=a.compute_dtype,
                       param_dtype=a.param_dtype, export_dtype=a.export_dtype, time_budget=a.time_budget,
                       stop_at=a.stop_at, resume=a.resume, progress=not a.no_progress, command=command)
     return train(cfg)
@@ -105,6 +140,7 @@ def main(argv=None) -> int:
     command = "python scripts/train_eagle.py " + " ".join(shlex.quote(x) for x in argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    add_prompt_args(sub.add_parser("prompts", help="build training prompts (self-instruct + passages)"))
     add_data_args(sub.add_parser("data", help="generate responses and record target features"))
     add_train_args(sub.add_parser("train", help="train (or resume) and export"))
     both = sub.add_parser("all", help="data, then train")
@@ -113,6 +149,9 @@ def main(argv=None) -> int:
     both.add_argument("--skip-data", action="store_true", help="reuse the shards in --out as they are")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
+    if a.cmd == "prompts":
+        run_prompts(a)
+        return 0
     if a.cmd in ("data", "all"):
         from specjax.train.data import load_manifest
         if a.cmd == "all" and a.skip_data and load_manifest(a.out):

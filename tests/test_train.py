@@ -251,3 +251,47 @@ def test_exported_head_in_specjax_eval(pipeline, capsys):
     assert c["tau"] > 1.0 and s["overall"]["tau"] == pytest.approx(c["tau"])
     assert "| evalset | 2 |" in Path(f"{out}.md").read_text() and "| evalset | 2 |" in capsys.readouterr().out
     assert Path(f"{out}.png").stat().st_size > 1000
+
+
+def test_target_features_on_packed_rows_equal_stored(pipeline):
+    """specjax.train.target over a packed row holding two sequences (+ padding) gives the features
+    and greedy predictions the paged prefill stored for each sequence alone."""
+    from specjax.checkpoint import load_flat
+    from specjax.train.target import TargetDims, target_features
+    root, model, _, _, _, _ = pipeline
+    _, shards = data_lib.load_shards(root / "data")
+    sh = shards[0]
+    a0, a1, a2 = (int(x) for x in sh.offsets[:3])
+    T = a2 + 5
+    ids = np.zeros((1, T), np.int32)
+    seg = np.zeros((1, T), np.int32)
+    pos = np.zeros((1, T), np.int32)
+    ids[0, :a2] = sh.ids[:a2]
+    seg[0, :a1], seg[0, a1:a2] = 1, 2
+    pos[0, :a1], pos[0, a1:a2] = np.arange(a1), np.arange(a2 - a1)
+    cfg, flat = load_flat(model, "float32")
+    tp = {k: jnp.asarray(v) for k, v in flat.items()}
+    aux, nxt = jax.jit(target_features, static_argnums=(1, 5))(tp, TargetDims.of(cfg), jnp.asarray(ids),
+                                                               jnp.asarray(seg), jnp.asarray(pos), AUX)
+    stored = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(sh.aux[:a2]), jnp.bfloat16)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(aux[0, :a2]), stored, rtol=1e-2, atol=1e-2)
+    assert (np.asarray(nxt[0, :a2]) == sh.next_ids[:a2]).all()
+
+
+def test_token_only_data_trains_with_heldout(pipeline, tmp_path):
+    """Shards of token ids only (features=False): the step computes the target's features; the
+    loss falls and the held-out split reports acc@1..K in the log and TRAINING.md."""
+    root, model, _, tcfg, _, dcfg = pipeline
+    man = data_lib.build_data(dataclasses.replace(dcfg, out_dir=str(tmp_path / "d"), features=False))
+    _, shards = data_lib.load_shards(tmp_path / "d")
+    assert man["features"] is False and shards[0].aux.shape[0] == 0 and shards[0].ids.shape[0] > 0
+    s = train(dataclasses.replace(tcfg, data_dir=str(tmp_path / "d"), work_dir=str(tmp_path / "w"),
+                                  export_dir=str(tmp_path / "head"), heldout=0.25, eval_every=10))
+    log = [json.loads(x) for x in (tmp_path / "w" / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["total"] < 0.75 * log[0]["total"], (log[0]["total"], log[-1]["total"])
+    held = [r["heldout"] for r in log if "heldout" in r]
+    assert [r["step"] for r in log if "heldout" in r] == [10, 20, 30]
+    assert len(held[-1]["acc"]) == tcfg.ttt_steps and held[-1]["tokens"] > 0
+    assert all(0.0 <= a <= 1.0 for a in held[-1]["acc"])
+    assert s["final"]["heldout"] == held[-1]
+    assert "acc@k held-out" in (tmp_path / "head" / "TRAINING.md").read_text()

@@ -2,7 +2,9 @@
 
     prompts (jsonl: "turns"[0] | "prompt" | "question" | "instruction")
       -> the target's chat template -> LLM.generate at several temperatures (one per prompt, in turn)
-      -> one target prefill over prompt + response (specjax.train.features)
+      -> one target prefill over prompt + response (specjax.train.features), or with
+         features=False nothing more: the training step computes the features on the fly
+         (specjax.train.target; large runs: 30 M tokens of stored features would be ~100 GB)
       -> DATA_DIR/shard-00000.npz ... + DATA_DIR/manifest.json
 
 Shards are written one chunk of prompts at a time and recorded in the manifest, so an interrupted
@@ -94,6 +96,7 @@ class DataConfig:
     max_batch: int = 64
     chunk_prompts: int = 512  # prompts per shard
     tokens_per_batch: int = 16384  # feature prefill
+    features: bool = True  # store the target's features (False: token ids only)
     aux_layers: tuple[int, ...] | None = None  # None: (2, L//2, L-3)
     chat: bool = True
     seed: int = 0
@@ -160,7 +163,7 @@ def build_data(cfg: DataConfig) -> dict:
     man = load_manifest(out)
     settings = {"model_dir": str(model_dir), "dtype": cfg.dtype, "aux_layers": list(aux),
                 "temperatures": list(cfg.temperatures), "max_tokens": cfg.max_tokens, "seed": cfg.seed,
-                "chunk_prompts": cfg.chunk_prompts, "chat": cfg.chat,
+                "chunk_prompts": cfg.chunk_prompts, "chat": cfg.chat, "features": cfg.features,
                 "prompt_files": [str(f) for f in cfg.prompt_files]}
     if man is not None and any(man.get(k) != v for k, v in settings.items() if k != "model_dir"):
         raise DataError(f"{out / MANIFEST} was made with other settings; use another --out directory")
@@ -176,8 +179,9 @@ def build_data(cfg: DataConfig) -> dict:
         from specjax import LLM  # (the engine's copy, and one for the feature prefill)
         from specjax.checkpoint import load_model
         llm = LLM(model_dir, dtype=cfg.dtype, max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len)
-        _, module = load_model(model_dir, cfg.dtype)
-        extractor = FeatureExtractor(module, mcfg, aux, cfg.tokens_per_batch)
+        if cfg.features:
+            _, module = load_model(model_dir, cfg.dtype)
+            extractor = FeatureExtractor(module, mcfg, aux, cfg.tokens_per_batch)
     _log(f"{len(prompts)} prompts in {len(chunks)} chunks ({len(done)} done), model {model_dir} ({cfg.dtype}), "
          f"aux layers {aux}, setup {time.perf_counter() - t0:.1f}s")
     bar = _progress(len(chunks), cfg.progress)
@@ -232,7 +236,7 @@ def _make_chunk(cfg: DataConfig, llm, extractor, texts: list[str], first_index: 
     seqs = [p + o.token_ids for p, o in zip(ids, outs)]
     gen_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    feats = extractor(seqs) if seqs else []
+    feats = extractor(seqs) if seqs and extractor is not None else None
     feat_s = time.perf_counter() - t1
     shard = Shard.build(seqs, [len(p) for p in ids], feats)
     return shard, {"gen_s": round(gen_s, 2), "feat_s": round(feat_s, 2),

@@ -7,7 +7,9 @@ t2d[target_id] = draft id or -1.
 Packing: sequences (truncated to seq_len) are placed first-fit-decreasing into rows of seq_len
 tokens; each gets its own segment id (1, 2, ... inside a row; 0 = padding) and positions from 0.
 The loss runs where the target predicts a response token: label[u] = t2d[next_ids[u]] for
-prompt_len - 1 <= u <= n - 2, else -1.
+prompt_len - 1 <= u <= n - 2, else -1. Shards of token ids only (no stored features: the training
+step computes them, specjax.train.target) pack without aux, and their label marks the loss span
+only (0 inside, -1 outside); the step maps the target's argmax there.
 """
 from __future__ import annotations
 
@@ -25,14 +27,20 @@ def loss_span(prompt_len: int, n: int) -> tuple[int, int]:
     return max(prompt_len - 1, 0), max(n - 1, 0)
 
 
+def has_features(sh: Shard) -> bool:
+    return sh.aux.shape[0] == sh.ids.shape[0] and sh.ids.shape[0] > 0
+
+
 def label_counts(shards: list[Shard], vocab_size: int) -> np.ndarray:
-    """How often the target predicts each token inside the loss spans."""
+    """How often the target predicts each token inside the loss spans (shards without stored
+    predictions: how often each token follows inside the spans, i.e. the responses' tokens, which
+    the target predicted exactly where it decoded greedily)."""
     parts = []
     for sh in shards:
         for s in range(sh.num_seqs):
             a, b = int(sh.offsets[s]), int(sh.offsets[s + 1])
             lo, hi = loss_span(int(sh.prompt_lens[s]), b - a)
-            parts.append(sh.next_ids[a + lo: a + hi])
+            parts.append(sh.next_ids[a + lo: a + hi] if has_features(sh) else sh.ids[a + lo + 1: a + hi + 1])
     flat = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     return np.bincount(flat, minlength=vocab_size)[:vocab_size].astype(np.int64)
 
@@ -55,15 +63,28 @@ class Packed:
     ids: np.ndarray  # [R, T] int32
     seg: np.ndarray  # [R, T] int32
     pos: np.ndarray  # [R, T] int32
-    aux: np.ndarray  # [R, T, 3E] uint16
-    label: np.ndarray  # [R, T] int32
+    aux: np.ndarray | None  # [R, T, 3E] uint16; None: the training step computes the features
+    label: np.ndarray  # [R, T] int32 (without aux: 0 inside the loss span, -1 outside)
 
     @property
     def num_rows(self) -> int:
         return self.ids.shape[0]
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def rows(self, idx) -> Packed:
+        return Packed(**{k: (None if v is None else v[idx]) for k, v in dataclasses.asdict(self).items()})
+
+    def split(self, frac: float) -> tuple[Packed, Packed | None]:
+        """(train rows, held-out rows): the last max(1, frac * R) rows are held out (rows are
+        already shuffled); frac 0 holds out nothing."""
+        n = 0 if frac <= 0 else max(1, int(round(frac * self.num_rows)))
+        if n >= self.num_rows:
+            raise ValueError(f"held-out fraction {frac} leaves no training rows ({self.num_rows} rows)")
+        if n == 0:
+            return self, None
+        return self.rows(slice(0, self.num_rows - n)), self.rows(slice(self.num_rows - n, None))
 
     @property
     def nbytes(self) -> int:
@@ -88,10 +109,13 @@ def pack(shards: list[Shard], t2d: np.ndarray, seq_len: int, seed: int = 0) -> P
     new_row_map = {int(r): i for i, r in enumerate(rows)}
     for i in range(len(seqs)):
         new_row[i] = new_row_map[int(row_of[i])]
-    R, E3 = len(rows), shards[0].aux.shape[1]
+    R = len(rows)
+    stored = [has_features(sh) for sh in shards]
+    if len(set(stored)) > 1:
+        raise ValueError("shards mix stored features and token ids only: build the data in one mode")
+    aux = np.zeros((R, seq_len, shards[0].aux.shape[1]), np.uint16) if stored[0] else None
     out = Packed(ids=np.zeros((R, seq_len), np.int32), seg=np.zeros((R, seq_len), np.int32),
-                 pos=np.zeros((R, seq_len), np.int32), aux=np.zeros((R, seq_len, E3), np.uint16),
-                 label=np.full((R, seq_len), -1, np.int32))
+                 pos=np.zeros((R, seq_len), np.int32), aux=aux, label=np.full((R, seq_len), -1, np.int32))
     fill = np.zeros(R, np.int64)
     nseg = np.zeros(R, np.int32)
     for i, (k, s) in enumerate(seqs):
@@ -102,10 +126,13 @@ def pack(shards: list[Shard], t2d: np.ndarray, seq_len: int, seed: int = 0) -> P
         out.ids[r, c: c + n] = sh.ids[a: a + n]
         out.seg[r, c: c + n] = nseg[r]
         out.pos[r, c: c + n] = np.arange(n)
-        out.aux[r, c: c + n] = sh.aux[a: a + n]
         lo, hi = loss_span(int(sh.prompt_lens[s]), n)
-        if hi > lo:
-            out.label[r, c + lo: c + hi] = t2d[sh.next_ids[a + lo: a + hi]]
+        if aux is not None:
+            out.aux[r, c: c + n] = sh.aux[a: a + n]
+            if hi > lo:
+                out.label[r, c + lo: c + hi] = t2d[sh.next_ids[a + lo: a + hi]]
+        elif hi > lo:
+            out.label[r, c + lo: c + hi] = 0
         fill[r] += n
     return out
 

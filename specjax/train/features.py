@@ -96,6 +96,7 @@ class Shard:
 
     @classmethod
     def build(cls, seqs: list[list[int]], prompt_lens: list[int], feats) -> Shard:
+        """feats None: token ids only (aux [0, 0], next_ids [0]; the trainer computes them)."""
         lens = np.array([len(s) for s in seqs], np.int64)
         offsets = np.concatenate([[0], np.cumsum(lens)])
         E3 = feats[0][0].shape[-1] if feats else 0

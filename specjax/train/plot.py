@@ -24,7 +24,13 @@ def plot_curves(log_path: str | Path, png: str | Path) -> Path | None:
     ax_l.plot(steps, [r["total"] for r in rows], color="black", lw=2, label="weighted total")
     for j in range(K):
         ax_l.plot(steps, [r["loss"][j] for r in rows], lw=1, label=f"step {j}")
-        ax_a.plot(steps, [r["acc"][j] for r in rows], lw=1, label=f"step {j}")
+        ax_a.plot(steps, [r["acc"][j] for r in rows], lw=1, color=f"C{j}", label=f"train step {j}")
+    held = [r for r in rows if "heldout" in r]
+    if held:
+        hs = [r["step"] for r in held]
+        for j in range(len(held[0]["heldout"]["acc"])):
+            ax_a.plot(hs, [r["heldout"]["acc"][j] for r in held], lw=1.5, ls="--", marker="o", ms=3,
+                      color=f"C{j}", label=f"held-out acc@{j + 1}")
     ax_l.set(xlabel="training step", ylabel="cross-entropy", title="loss", yscale="log")
     ax_a.set(xlabel="training step", ylabel="top-1 accuracy", title="accuracy (draft step j)", ylim=(0, 1))
     for ax in (ax_l, ax_a):

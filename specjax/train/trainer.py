@@ -38,12 +38,14 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     clip: float = 0.5
-    ttt_steps: int = 5
+    ttt_steps: int = 6
     decay: float = 0.8
     draft_vocab_size: int = 16384
     init_from_target: bool = True  # lm_head / final norm start as the target's (draft-vocab columns)
     ckpt_every: int = 200
     log_every: int = 10
+    heldout: float = 0.01  # share of packed rows held out for acc@k (0: none)
+    eval_every: int = 200  # steps between held-out evaluations (and at the end)
     seed: int = 0
     compute_dtype: str = "auto"  # auto: bfloat16 on GPU, float32 elsewhere
     param_dtype: str = "float32"  # master weights (and Adam moments)
@@ -76,19 +78,43 @@ class OptConfig:
                            optax.adamw(self.schedule(), b1=0.9, b2=0.95, weight_decay=self.weight_decay))
 
 
+def with_features(batch, target, t2d, tdims, aux_layers: tuple[int, ...], dtype):
+    """A batch of token ids only gets the target's features and labels (label 0 marks the loss
+    span): computed here, no gradient flows into the target. Stored-feature batches pass as is."""
+    if "aux" in batch:
+        return batch
+    from specjax.train.target import target_features
+    tp = {k: v.astype(dtype) for k, v in target.items()}
+    aux, nxt = jax.lax.stop_gradient(
+        target_features(tp, tdims, batch["ids"], batch["seg"], batch["pos"], aux_layers))
+    return {**batch, "aux": aux, "label": jnp.where(batch["label"] >= 0, t2d[nxt], -1)}
+
+
 @functools.lru_cache(maxsize=8)
-def train_step_fn(dims: forward.HeadDims, lcfg: LossConfig, ocfg: OptConfig):
-    """Jitted (params, opt_state, embed, batch) -> (params, opt_state, metrics); cached per config
-    so that repeated runs in one process reuse the compiled program."""
+def train_step_fn(dims: forward.HeadDims, lcfg: LossConfig, ocfg: OptConfig, tdims=None, aux_layers=()):
+    """Jitted (params, opt_state, embed, target, t2d, batch) -> (params, opt_state, metrics);
+    cached per config so that repeated runs in one process reuse the compiled program. `target`
+    (flat target params) and t2d are used only by batches without stored features."""
     import optax
     opt = ocfg.optimizer()
 
-    def step(params, opt_state, embed, batch):
+    def step(params, opt_state, embed, target, t2d, batch):
+        batch = with_features(batch, target, t2d, tdims, aux_layers, jnp.dtype(lcfg.compute_dtype))
         (loss, m), grads = jax.value_and_grad(ttt_loss, has_aux=True)(params, embed, batch, dims, lcfg)
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {**m, "total": loss, "gnorm": optax.tree.norm(grads)}
     return jax.jit(step, donate_argnums=(0, 1))
+
+
+@functools.lru_cache(maxsize=8)
+def eval_step_fn(dims: forward.HeadDims, lcfg: LossConfig, tdims=None, aux_layers=()):
+    """Jitted (params, embed, target, t2d, batch) -> metrics of the held-out batch (no update)."""
+    def step(params, embed, target, t2d, batch):
+        batch = with_features(batch, target, t2d, tdims, aux_layers, jnp.dtype(lcfg.compute_dtype))
+        loss, m = ttt_loss(params, embed, batch, dims, lcfg)
+        return {**m, "total": loss}
+    return jax.jit(step)
 
 
 def _log(msg: str) -> None:
@@ -168,7 +194,7 @@ def train(cfg: TrainConfig) -> dict:
     cdt = _compute_dtype(cfg.compute_dtype)
     lcfg = LossConfig(cfg.ttt_steps, cfg.decay, cdt)
     ocfg = OptConfig(cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio, cfg.weight_decay, cfg.clip)
-    packed = dataset.pack(shards, t2d, cfg.seq_len, cfg.seed)
+    packed, held = dataset.pack(shards, t2d, cfg.seq_len, cfg.seed).split(cfg.heldout)
     batches = dataset.Batches(packed, cfg.batch_size, cfg.seed)
     n_tok = int(sum(s["num_tokens"] for s in man["shards"]))
     _log(f"data: {man.get('num_seqs', '?')} seqs, {n_tok} tokens -> {packed.num_rows} rows x {cfg.seq_len} "
@@ -179,6 +205,13 @@ def train(cfg: TrainConfig) -> dict:
     params = forward.init_params(ecfg, cfg.seed)
     if cfg.init_from_target:
         params.update(forward.target_init(tflat, d2t))
+    tdims, aux_layers, target = None, tuple(int(i) for i in man["aux_layers"]), {}
+    if packed.aux is None:  # token ids only: the step computes the target's features
+        from specjax.train.target import TargetDims
+        tdims = TargetDims.of(tcfg)
+        target = jax.device_put({k: jnp.asarray(v, cdt) for k, v in tflat.items()}, jax.devices()[0])
+        _log(f"features computed on the fly by the target (aux layers {aux_layers})")
+    t2d_dev = jax.device_put(jnp.asarray(t2d), jax.devices()[0])
     del tflat
     params = {k: v.astype(cfg.param_dtype) for k, v in params.items()}
     opt_state = ocfg.optimizer().init(params)
@@ -192,7 +225,8 @@ def train(cfg: TrainConfig) -> dict:
     # otherwise miss the compiled step of an uncommitted one
     params, opt_state = jax.device_put((params, opt_state), jax.devices()[0])
     _trim_log(log_path, step)
-    fn = train_step_fn(dims, lcfg, ocfg)
+    fn = train_step_fn(dims, lcfg, ocfg, tdims, aux_layers)
+    evaluate = _heldout_eval(eval_step_fn(dims, lcfg, tdims, aux_layers), held, cfg, embed, target, t2d_dev)
     sched = ocfg.schedule()
     bar = _bar(cfg, step)
     pending: list[dict] = []
@@ -201,27 +235,29 @@ def train(cfg: TrainConfig) -> dict:
     saved = start
     stopped_early = False
     while step < cfg.steps:
-        params, opt_state, m = fn(params, opt_state, embed, batches.get(step))
+        params, opt_state, m = fn(params, opt_state, embed, target, t2d_dev, batches.get(step))
         pending.append(m)
         step += 1
         bar.update(1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
+        over_budget = cfg.time_budget is not None and time.perf_counter() - t_train > cfg.time_budget
+        done = step == cfg.steps or (cfg.stop_at is not None and step >= cfg.stop_at) or over_budget
+        if step % cfg.log_every == 0 or done:
             last = _mean_metrics(pending)
             pending = []
             last.update(step=step, lr=float(sched(step - 1)), elapsed=round(time.perf_counter() - t0, 2),
                         tau_est=tau_estimate(last["acc"]))
+            if evaluate is not None and (step % cfg.eval_every == 0 or done):
+                last["heldout"] = evaluate(params)
+                _log(f"step {step}: held-out acc@k {last['heldout']['acc']} tau~{last['heldout']['tau_est']}")
             with open(log_path, "a") as f:
                 f.write(json.dumps(last) + "\n")
             bar.set_postfix(loss=f"{last['total']:.3f}", acc0=f"{last['acc'][0]:.3f}", tau=f"{last['tau_est']:.2f}")
         if step % cfg.ckpt_every == 0 and step < cfg.steps:
             ckpt.save(step, params, opt_state)
             saved = step
-        if cfg.stop_at is not None and step >= cfg.stop_at:
+        if done:
             stopped_early = step < cfg.steps
-            break
-        if cfg.time_budget is not None and time.perf_counter() - t_train > cfg.time_budget:
-            stopped_early = step < cfg.steps
-            if stopped_early:
+            if over_budget and stopped_early:
                 _log(f"time budget {cfg.time_budget:.0f}s reached at step {step}")
             break
     bar.close()
@@ -256,15 +292,38 @@ def _trim_log(path: Path, step: int) -> None:
     path.write_text("".join(ln + "\n" for ln in keep))
 
 
+def _heldout_eval(fn, held, cfg: TrainConfig, embed, target, t2d):
+    """params -> held-out metrics {"loss": [K], "acc": [K] (acc@1..K: top-1 accuracy of draft step
+    j), "tau_est", "tokens"} over all held-out rows (batches of batch_size; the last one wraps)."""
+    if held is None:
+        return None
+    n = held.num_rows
+    groups = [np.arange(i, i + cfg.batch_size) % n for i in range(0, n, cfg.batch_size)]
+    dev = jax.device_put(held.arrays(), jax.devices()[0])
+
+    def evaluate(params) -> dict:
+        ms = jax.device_get([fn(params, embed, target, t2d, dataset._take(dev, jnp.asarray(g))) for g in groups])
+        cnt = np.sum([np.asarray(m["count"], np.float64) for m in ms], axis=0)
+        acc = np.sum([np.asarray(m["acc"]) * np.asarray(m["count"]) for m in ms], axis=0) / np.maximum(cnt, 1)
+        loss = np.sum([np.asarray(m["loss"]) * np.asarray(m["count"]) for m in ms], axis=0) / np.maximum(cnt, 1)
+        return {"loss": np.round(loss, 4).tolist(), "acc": np.round(acc, 4).tolist(),
+                "tau_est": round(tau_estimate(acc), 3), "tokens": int(cnt[0])}
+    return evaluate
+
+
 def _final(log_path: Path, last_n: int = 5) -> dict:
     rows = [json.loads(ln) for ln in log_path.read_text().splitlines() if ln.strip()] if log_path.is_file() else []
     if not rows:
         return {}
+    held = [r["heldout"] for r in rows if "heldout" in r]
     rows = rows[-last_n:]
     acc = np.mean([r["acc"] for r in rows], axis=0).tolist()
-    return {"step": rows[-1]["step"], "loss": float(np.mean([r["total"] for r in rows])),
-            "loss_per_step": np.round(np.mean([r["loss"] for r in rows], axis=0), 4).tolist(),
-            "acc_per_step": np.round(acc, 4).tolist(), "tau_est": round(tau_estimate(acc), 3)}
+    out = {"step": rows[-1]["step"], "loss": float(np.mean([r["total"] for r in rows])),
+           "loss_per_step": np.round(np.mean([r["loss"] for r in rows], axis=0), 4).tolist(),
+           "acc_per_step": np.round(acc, 4).tolist(), "tau_est": round(tau_estimate(acc), 3)}
+    if held:
+        out["heldout"] = held[-1]
+    return out
 
 
 def _bar(cfg: TrainConfig, initial: int):
@@ -318,9 +377,13 @@ def training_md(s: dict, dtype: str) -> str:
         "## Final metrics (mean of the last log entries)", "",
         f"| step j | {steps_line} |", "|---" * (len(f.get('acc_per_step', [])) + 1) + "|",
         "| loss | " + " | ".join(f"{x:.3f}" for x in f.get("loss_per_step", [])) + " |",
-        "| top-1 acc | " + " | ".join(f"{x:.3f}" for x in f.get("acc_per_step", [])) + " |", "",
+        "| top-1 acc (train) | " + " | ".join(f"{x:.3f}" for x in f.get("acc_per_step", [])) + " |",
+        *(["| acc@k held-out | " + " | ".join(f"{x:.3f}" for x in f["heldout"]["acc"]) + " |"]
+          if f.get("heldout") else []), "",
         f"Weighted loss {f.get('loss', float('nan')):.4f}; chain acceptance estimate from the accuracies "
-        f"tau ~ {f.get('tau_est')} (measure the real one with `specjax eval`).", "",
+        f"tau ~ {f.get('tau_est')} (train), {(f.get('heldout') or {}).get('tau_est')} (held-out: "
+        f"{(f.get('heldout') or {}).get('tokens')} tokens never trained on); measure the real one with "
+        "`specjax eval`.", "",
         "![curves](curves.png)", "",
     ]
     return "\n".join(lines)
