@@ -1,87 +1,98 @@
 #!/usr/bin/env bash
-# Train the EAGLE-3 head shipped for the default model (SmolLM2-135M-Instruct) on ONE GPU, in one
-# call of under 10 minutes, offline. Run from the repository root:
+# Rebuild the EAGLE-3 head shipped for the default model (SmolLM2-135M-Instruct) end to end on ONE
+# GPU, offline, from nothing but the target and the GSM8K training prompts. Run from the repository
+# root (each stage prints its timing; data and training resume when run again):
 #
-#   bash scripts/train_default_head.sh [PROMPTS.jsonl]      # default: data/train/gsm8k_train.jsonl
+#   bash scripts/train_default_head.sh
 #
-# Stages (each prints its timing; both resume):
-#   1. data   target responses to the training prompts at temperatures 0 / 0.7 / 1.0 (one per
-#             prompt, in turn), max 256 tokens, then the target's aux hidden states + greedy next
-#             tokens per token -> $RUN/data (npz shards). Stops starting new chunks after
-#             DATA_BUDGET seconds. SKIP_DATA=1 reuses existing shards as they are.
-#   2. train  STEPS steps (stops earlier after TRAIN_BUDGET seconds), checkpoints in $RUN/work
-#             (a second run resumes), then exports the head to $OUT (bf16) with TRAINING.md.
-# Needs the converted default model at $MODEL (checkpoints/smollm2-135m-instruct).
-# PACK_TO=DIR (e.g. the device machine's $OUT) also writes the head as a .tgz split into parts of
-# 15 MB (reassemble: cat eagle3-head.tgz.part-* | tar -xzf - -C checkpoints) plus the logs and plot.
-# Afterwards, measure acceptance and speed-up:
-#   specjax eval --draft $OUT --limit 20 --json eval.json --markdown eval.md --png eval.png
+#   0. prompts  user messages written by the target itself (its chat template up to the user turn
+#               + an opener, T=1, top-p 0.95; SELF_INSTRUCT of them) and task prompts over the
+#               text of the installed Python (docstrings and code: summarize, answer from a passage,
+#               extract, rewrite, translate, explain / document / test / continue code; PASSAGES of
+#               them, built on the CPU while the GPU writes the self-instruct ones)
+#   1. data     the target's responses (specjax's engine, MAX_BATCH rows, temperatures 0/0.7/0/1.0
+#               in turn, up to MAX_TOKENS) to GSM8K train + those prompts, as token ids only; stops
+#               starting new chunks after DATA_BUDGET seconds
+#   2. train    EAGLE-3 training-time test over TTT steps, the target's features computed inside the
+#               training step, 1 % of the packed rows held out (acc@1..TTT in the log, curves.png);
+#               STEPS steps or TRAIN_BUDGET seconds; exports the head to $OUT with TRAINING.md
+# Evaluation prompt sets (data/prompts/*) are never used. Needs the converted default model at $MODEL.
+# PACK_TO=DIR also writes the head as a .tgz split into 15 MB parts (reassemble:
+# cat eagle3-head.tgz.part-* | tar -xzf - -C checkpoints) plus the logs and the plot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PROMPTS=${1:-data/train/gsm8k_train.jsonl}
 MODEL=${MODEL:-checkpoints/smollm2-135m-instruct}
 RUN=${RUN:-runs/eagle3-smollm2-135m}
 OUT=${OUT:-checkpoints/eagle3-smollm2-135m}
-MAX_PROMPTS=${MAX_PROMPTS:-7473}
-DATA_BUDGET=${DATA_BUDGET:-180}
-MAX_BATCH=${MAX_BATCH:-256}
-MAX_TOKENS=${MAX_TOKENS:-256}
-STEPS=${STEPS:-2000}
-TRAIN_BUDGET=${TRAIN_BUDGET:-240}
+GSM8K=${GSM8K:-data/train/gsm8k_train.jsonl}
+SELF_INSTRUCT=${SELF_INSTRUCT:-30000}
+PASSAGES=${PASSAGES:-30000}
+DATA_BUDGET=${DATA_BUDGET:-540}
+MAX_BATCH=${MAX_BATCH:-512}
+MAX_TOKENS=${MAX_TOKENS:-512}
+STEPS=${STEPS:-4000}
+TRAIN_BUDGET=${TRAIN_BUDGET:-540}
 BATCH=${BATCH:-16}
 SEQ_LEN=${SEQ_LEN:-1024}
 LR=${LR:-6e-4}
-TTT=${TTT:-5}
-DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
+TTT=${TTT:-7}
+DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
 PY=${PYTHON:-python3}
 
-for alt in "shared/data/train/$(basename "$PROMPTS")" "../shared/data/train/$(basename "$PROMPTS")"; do
-  if [ ! -f "$PROMPTS" ] && [ -f "$alt" ]; then PROMPTS=$alt; fi
+for alt in "shared/data/train/$(basename "$GSM8K")" "../shared/data/train/$(basename "$GSM8K")"; do
+  if [ ! -f "$GSM8K" ] && [ -f "$alt" ]; then GSM8K=$alt; fi
 done
-[ -f "$PROMPTS" ] || { echo "no prompt file $PROMPTS" >&2; exit 1; }
+[ -f "$GSM8K" ] || { echo "no GSM8K training prompts at $GSM8K" >&2; exit 1; }
 [ -f "$MODEL/specjax.json" ] || { echo "no converted model at $MODEL (specjax download-default)" >&2; exit 1; }
-"$PY" - <<'PYEOF'
-import importlib.util, jax, optax, orbax.checkpoint  # required (optax, orbax: training, checkpoints)
-print("jax", jax.__version__, jax.devices(), "optax", optax.__version__)
-print("optional:", {m: importlib.util.find_spec(m) is not None for m in ("tqdm", "matplotlib")})
-PYEOF
+mkdir -p "$RUN"
+"$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 T0=$SECONDS
-if [ "${SKIP_DATA:-0}" = "1" ] && [ -f "$RUN/data/manifest.json" ]; then
-  echo "== data: skipped (SKIP_DATA=1, $RUN/data exists)"
+if [ -f "$RUN/prompts.jsonl" ]; then
+  echo "== prompts: reusing $RUN/prompts.jsonl ($(wc -l < "$RUN/prompts.jsonl") prompts)"
 else
-  echo "== data: $PROMPTS -> $RUN/data (max $MAX_PROMPTS prompts, budget ${DATA_BUDGET}s)"
-  "$PY" scripts/train_eagle.py data --prompts "$PROMPTS" --out "$RUN/data" --model "$MODEL" \
-    --max-prompts "$MAX_PROMPTS" --temperatures 0,0.7,1.0 --max-tokens "$MAX_TOKENS" --max-seq-len 768 \
-    --max-batch "$MAX_BATCH" --chunk-prompts 1024 --data-time-budget "$DATA_BUDGET"
+  echo "== prompts: $PASSAGES over installed Python text (CPU, background) + $SELF_INSTRUCT written by the target"
+  JAX_PLATFORMS=cpu "$PY" scripts/train_eagle.py prompts --out "$RUN/passages.jsonl" --self-instruct 0 --passages "$PASSAGES" &
+  PASS_PID=$!
+  "$PY" scripts/train_eagle.py prompts --out "$RUN/self_instruct.jsonl" --model "$MODEL" \
+    --self-instruct "$SELF_INSTRUCT" --passages 0 --max-batch 1024
+  wait $PASS_PID
+  cat "$RUN/self_instruct.jsonl" "$RUN/passages.jsonl" > "$RUN/prompts.jsonl"
 fi
-echo "== data stage: $((SECONDS - T0)) s"
+echo "== prompts stage: $((SECONDS - T0)) s"
 
 T1=$SECONDS
-echo "== train: $STEPS steps (budget ${TRAIN_BUDGET}s), batch $BATCH x $SEQ_LEN, K=$TTT -> $OUT"
+echo "== data: $GSM8K + $RUN/prompts.jsonl -> $RUN/data (token ids; budget ${DATA_BUDGET}s)"
+"$PY" scripts/train_eagle.py data --prompts "$GSM8K" "$RUN/prompts.jsonl" --out "$RUN/data" --model "$MODEL" \
+  --no-features --temperatures 0,0.7,0,1.0 --max-tokens "$MAX_TOKENS" --max-seq-len 1024 \
+  --max-batch "$MAX_BATCH" --chunk-prompts 8192 --data-time-budget "$DATA_BUDGET"
+echo "== data stage: $((SECONDS - T1)) s"
+
+T2=$SECONDS
+echo "== train: $STEPS steps (budget ${TRAIN_BUDGET}s), batch $BATCH x $SEQ_LEN, TTT $TTT -> $OUT"
 "$PY" scripts/train_eagle.py train --data "$RUN/data" --work "$RUN/work" --export "$OUT" --resume \
-  --steps "$STEPS" --batch-size "$BATCH" --seq-len "$SEQ_LEN" --lr "$LR" --warmup 100 \
-  --ttt-steps "$TTT" --draft-vocab "$DRAFT_VOCAB" --ckpt-every 500 --log-every 25 \
-  --time-budget "$TRAIN_BUDGET" --export-dtype bfloat16
-echo "== train stage: $((SECONDS - T1)) s; total $((SECONDS - T0)) s"
+  --steps "$STEPS" --batch-size "$BATCH" --seq-len "$SEQ_LEN" --lr "$LR" --warmup 200 \
+  --ttt-steps "$TTT" --draft-vocab "$DRAFT_VOCAB" --ckpt-every 1000 --log-every 50 --eval-every 500 \
+  --heldout 0.01 --time-budget "$TRAIN_BUDGET" --export-dtype bfloat16 --no-progress
+echo "== train stage: $((SECONDS - T2)) s; total $((SECONDS - T0)) s"
 {
   echo
   echo "## Reproduce"
   echo
   echo '```bash'
-  echo "MAX_PROMPTS=$MAX_PROMPTS DATA_BUDGET=$DATA_BUDGET MAX_BATCH=$MAX_BATCH MAX_TOKENS=$MAX_TOKENS STEPS=$STEPS TRAIN_BUDGET=$TRAIN_BUDGET \\"
-  echo "  BATCH=$BATCH SEQ_LEN=$SEQ_LEN LR=$LR TTT=$TTT DRAFT_VOCAB=$DRAFT_VOCAB bash scripts/train_default_head.sh $PROMPTS"
+  echo "SELF_INSTRUCT=$SELF_INSTRUCT PASSAGES=$PASSAGES DATA_BUDGET=$DATA_BUDGET MAX_BATCH=$MAX_BATCH MAX_TOKENS=$MAX_TOKENS \\"
+  echo "  STEPS=$STEPS TRAIN_BUDGET=$TRAIN_BUDGET BATCH=$BATCH SEQ_LEN=$SEQ_LEN LR=$LR TTT=$TTT DRAFT_VOCAB=$DRAFT_VOCAB \\"
+  echo "  bash scripts/train_default_head.sh"
   echo '```'
   echo
-  echo "Wall time on $("$PY" -c "import jax; print(jax.devices()[0].device_kind)"): data stage $((T1 - T0)) s, train stage $((SECONDS - T1)) s."
+  echo "Wall time on $("$PY" -c "import jax; print(jax.devices()[0].device_kind)"): prompts $((T1 - T0)) s, data $((T2 - T1)) s, train $((SECONDS - T2)) s."
 } >> "$OUT/TRAINING.md"
 du -sh "$OUT"
-cat "$OUT/TRAINING.md"
 if [ -n "${PACK_TO:-}" ]; then
   mkdir -p "$PACK_TO"
   tar -C "$(dirname "$OUT")" -czf - "$(basename "$OUT")" | split -b 15m - "$PACK_TO/eagle3-head.tgz.part-"
-  cp "$OUT/TRAINING.md" "$OUT/curves.png" "$RUN/work/train_log.jsonl" "$RUN/work/summary.json" "$PACK_TO/"
+  cp "$RUN/work/train_log.jsonl" "$RUN/work/summary.json" "$PACK_TO/"
   cp "$RUN/data/manifest.json" "$PACK_TO/data_manifest.json"
   ls -la "$PACK_TO"
 fi

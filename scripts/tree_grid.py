@@ -1,0 +1,130 @@
+"""Tree configuration grid for a draft head: tau and tokens/s of LLM.generate per (batch, num_steps,
+topk, num_draft_tokens), against plain decoding at the same batch, on held-out prompt sets.
+
+    python scripts/tree_grid.py --draft checkpoints/eagle3-smollm2-135m --batches 1,8,32 \
+        --configs 4:1:4,6:1:6,5:4:16,6:4:24,6:8:32,7:8:48,8:8:64 --per-set 6 --max-tokens 128 \
+        --json grid.json --markdown grid.md --png grid.png [--write-best HEAD_DIR]
+
+Each configuration is one LLM (its programs compile in a warm-up generate that is not timed);
+timed runs generate exactly --max-tokens tokens per prompt (ignore EOS) so plain and speculative
+do equal work. --write-best stores the fastest configuration per batch size in the head's
+specjax.json ("spec_defaults"), which LLM(draft=...) and `specjax generate --speculate` read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _configs(s: str) -> list[tuple[int, int, int]]:
+    out = []
+    for part in s.split(","):
+        a, b, c = (int(x) for x in part.split(":"))
+        out.append((a, b, c))
+    return out
+
+
+def _timed(llm, ids, params) -> tuple[float, float, int]:
+    t0 = time.perf_counter()
+    outs = llm.generate(ids, params)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    taus = [o.accept_len_mean for o in outs if o.accept_len_mean is not None]
+    return n / dt, (sum(taus) / len(taus) if taus else 1.0), n
+
+
+def main(argv=None) -> int:
+    from specjax import LLM, SamplingParams
+    from specjax.eval import load_sets
+    from specjax.llm import draft_method
+    from specjax.tree import SpecConfig
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--model", default=None)
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--configs", default="4:1:4,6:1:6,5:4:16,6:4:24,6:8:32,8:8:64",
+                   help="num_steps:topk:num_draft_tokens,...")
+    p.add_argument("--per-set", type=int, default=6, help="prompts per prompt set")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    p.add_argument("--png", default=None)
+    p.add_argument("--write-best", default=None, help="head directory whose specjax.json gets spec_defaults")
+    a = p.parse_args(argv)
+    sets = load_sets(None, a.per_set)
+    method = draft_method(a.draft)
+    rows = []
+    for B in (int(x) for x in a.batches.split(",")):
+        plain = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len)
+        texts = [t for ps in sets.values() for t in ps]
+        ids = [plain.tokenizer.encode(plain.apply_chat_template([{"role": "user", "content": t}]),
+                                      add_special_tokens=False) for t in texts]
+        ids = [x for x in ids if len(x) + a.max_tokens < a.max_seq_len]
+        reps = max(1, B // len(ids) + 1) if len(ids) < B else 1
+        ids = (ids * reps)[: max(len(ids), B)]
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
+        plain.generate(ids[:B], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # compile
+        plain.generate(ids, params)
+        plain_tps, _, n = _timed(plain, ids, params)
+        print(f"[grid] batch {B}: plain {plain_tps:.0f} tok/s ({n} tokens)", flush=True)
+        del plain
+        for steps, topk, ntok in _configs(a.configs):
+            cfg = SpecConfig(method=method, num_steps=steps, topk=topk, num_draft_tokens=ntok)
+            llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=a.draft, spec=cfg)
+            llm.generate(ids, params)  # compile every bucket
+            tps, tau, _ = _timed(llm, ids, params)
+            rows.append({"batch": B, "num_steps": steps, "topk": topk, "num_draft_tokens": ntok, "tau": round(tau, 3),
+                         "tok_s": round(tps, 1), "plain_tok_s": round(plain_tps, 1),
+                         "speedup": round(tps / plain_tps, 3)})
+            print(f"[grid] batch {B} steps {steps} topk {topk} tokens {ntok}: tau {tau:.2f}, {tps:.0f} tok/s, "
+                  f"x{tps / plain_tps:.2f}", flush=True)
+            del llm
+    md = ["| batch | num_steps | topk | num_draft_tokens | τ | spec tok/s | plain tok/s | speed-up |",
+          "|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r['batch']} | {r['num_steps']} | {r['topk']} | {r['num_draft_tokens']} | {r['tau']:.2f} | "
+           f"{r['tok_s']:.0f} | {r['plain_tok_s']:.0f} | {r['speedup']:.2f}x |" for r in rows]
+    text = "\n".join(md)
+    print(text)
+    best = {}
+    for r in rows:
+        if r["batch"] not in best or r["tok_s"] > best[r["batch"]]["tok_s"]:
+            best[r["batch"]] = r
+    if a.markdown:
+        Path(a.markdown).write_text(text + "\n")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rows": rows, "best": best}, indent=2) + "\n")
+    if a.png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for B in sorted({r["batch"] for r in rows}):
+            rs = [r for r in rows if r["batch"] == B]
+            ax.plot([f"{r['num_steps']}/{r['topk']}/{r['num_draft_tokens']}" for r in rs],
+                    [r["speedup"] for r in rs], marker="o", label=f"batch {B}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(xlabel="num_steps / topk / num_draft_tokens", ylabel="speed-up vs plain", title="tree grid")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(a.png, dpi=100)
+    if a.write_best:
+        meta_path = Path(a.write_best) / "specjax.json"
+        meta = json.loads(meta_path.read_text())
+        meta["spec_defaults"] = {str(B): {k: r[k] for k in ("num_steps", "topk", "num_draft_tokens")}
+                                 for B, r in sorted(best.items())}
+        meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+        print(f"[grid] wrote spec_defaults {meta['spec_defaults']} to {meta_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
