@@ -10,7 +10,7 @@
 Shards are written one chunk of prompts at a time and recorded in the manifest, so an interrupted
 run resumes at the next chunk; a time budget stops after the chunk that exceeds it.
 Evaluation prompt sets are refused (see check_not_eval) and any training prompt that also occurs
-in the repository's evaluation prompts (data/prompts/*.jsonl) is dropped.
+in the shipped evaluation prompts (specjax/assets/prompts/*.jsonl, also data/prompts/) is dropped.
 """
 from __future__ import annotations
 
@@ -21,10 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from specjax.assets import PROMPTS_DIR as EVAL_PROMPTS_DIR
 from specjax.train.features import FeatureExtractor, Shard
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-EVAL_PROMPTS_DIR = REPO_ROOT / "data" / "prompts"
 EVAL_SET_STEMS = {"mt_bench", "gsm8k", "humaneval", "alpaca", "qa", "sum", "gsm8k_test"}
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
