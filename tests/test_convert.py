@@ -330,13 +330,14 @@ def test_default_gguf_matches_transformers():
     pytest.importorskip("accelerate")  # transformers needs it to load GGUF
     from transformers import AutoModelForCausalLM
 
-    from specjax.default_model import CACHE_DIR, GGUF_NAME, ensure_default
+    from specjax.default_model import default_gguf_path, ensure_default
 
     model_dir = ensure_default()
+    gguf = default_gguf_path()
     cfg, flat = load_flat(model_dir)
     assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == ("LlamaForCausalLM", 30, 9, 3)
     assert cfg.tie_word_embeddings and "lm_head" not in flat and flat["embed"].dtype == np.float32
-    hf = AutoModelForCausalLM.from_pretrained(str(CACHE_DIR), gguf_file=GGUF_NAME, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     assert_flat_equal(flat, expected_flat(sd, cfg))
     _, model = load_model(model_dir, dtype="bfloat16")

@@ -40,10 +40,11 @@ def pair():
     """(ours from the converted default model dir, transformers' tokenizer from the same GGUF)."""
     from transformers import AutoTokenizer
 
-    from specjax.default_model import CACHE_DIR, GGUF_NAME, ensure_default
+    from specjax.default_model import default_gguf_path, ensure_default
 
     ours = load_tokenizer(ensure_default())
-    ref = AutoTokenizer.from_pretrained(str(CACHE_DIR), gguf_file=GGUF_NAME)
+    gguf = default_gguf_path()
+    ref = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return ours, ref
 
 
