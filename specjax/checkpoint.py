@@ -93,12 +93,35 @@ def read_meta(model_dir: str | Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
+def convert_hint(path: str | Path, what: str = "model") -> str:
+    """What to run when `path` is a model (or draft) that has not been converted yet."""
+    if what == "draft":
+        return (f"convert it first: `specjax convert --draft {path} OUT_DIR` (an EAGLE-1 / EAGLE-3 head) "
+                f"or `specjax convert {path} OUT_DIR` (a draft model)")
+    return f"convert it first: `specjax convert {path} OUT_DIR` (a Hugging Face folder or a .gguf file)"
+
+
+def check_converted(path: str | Path, what: str = "model") -> Path:
+    """Path(path) if it is a converted specjax directory (it has specjax.json); otherwise a
+    CheckpointError naming the problem and, for unconverted inputs, the `specjax convert` command.
+    what: "model" or "draft" (the word used in the message)."""
+    d = Path(path)
+    if not d.exists():
+        raise CheckpointError(f"{what} directory {d} does not exist")
+    if not d.is_dir():
+        raise CheckpointError(f"{what} path {d} is a file, not a converted model directory; {convert_hint(d, what)}")
+    if not (d / MARKER).is_file():
+        raise CheckpointError(f"{what} directory {d} is not a converted specjax checkpoint (no {MARKER}); "
+                              f"{convert_hint(d, what)}")
+    return d
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     d = Path(model_dir)
     if not d.is_dir():
-        raise CheckpointError(f"model directory {d} does not exist")
+        check_converted(d)  # raises: does not exist / is a file
     if not (d / "config.json").is_file():
-        raise CheckpointError(f"model directory {d} has no config.json")
+        raise CheckpointError(f"model directory {d} has no config.json; {convert_hint(d)}")
     return ModelConfig.from_file(d / "config.json")
 
 
@@ -111,7 +134,7 @@ def load_flat(model_dir: str | Path, dtype: Any = None) -> tuple[ModelConfig, di
     meta = read_meta(d)
     params_dir = (d / "params").absolute()
     if not params_dir.is_dir():
-        raise CheckpointError(f"model directory {d} has no params/ checkpoint")
+        raise CheckpointError(f"model directory {d} has no params/ checkpoint; {convert_hint(d)}")
     ckpt = ocp.StandardCheckpointer()
     try:
         tree = ckpt.metadata(params_dir).item_metadata.tree

@@ -49,11 +49,12 @@ def draft_method(draft) -> str:
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, dtype: str = "bfloat16", page_size: int = 16,
+    def __init__(self, model: str | Path | None = None, dtype: str = "auto", page_size: int = 16,
                  max_batch: int = 8, max_seq_len: int = 2048, num_pages: int | None = None, seed: int = 0,
                  draft: str | Path | None = None, spec=None, tensor_parallel: int = 1,
                  scheduler: SchedulerOptions | None = None):
-        """draft: None (plain decoding), "self" (the target drafts for itself: for testing), the
+        """dtype: "auto" (float32 on the CPU, bfloat16 on GPUs and TPUs), "bfloat16" or "float32".
+        draft: None (plain decoding), "self" (the target drafts for itself: for testing), the
         directory of a converted Llama-family draft model with the target's vocabulary, or of a
         converted EAGLE-1 / EAGLE-3 head (`specjax convert --draft`).
         spec: specjax.tree.SpecConfig (default: a chain of 4 drafted tokens with the draft's method).
@@ -61,13 +62,17 @@ class LLM:
         scheduler: SchedulerOptions (default: the one-step-behind async loop, grammar overlap on).
         Constrained requests (SamplingParams json_schema / regex / grammar / choice) compile with one
         specjax.grammar.GrammarCompiler built from the tokenizer on first use."""
-        from specjax.checkpoint import load_model, load_tokenizer
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        from specjax.checkpoint import check_converted, load_model, load_tokenizer
+        from specjax.machine import log_backend, resolve_dtype
+        dtype = resolve_dtype(dtype)
+        log_backend()
         if model is None:
             from specjax.default_model import ensure_default
             model = ensure_default()
-        self.model_dir = Path(model)
+        self.model_dir = check_converted(model, "model")
+        if draft is not None and draft != "self":
+            check_converted(draft, "draft")
+        self.dtype = dtype
         mesh = None
         if tensor_parallel != 1:
             from specjax import sharding
