@@ -1,24 +1,89 @@
-"""`specjax` command line: thin wrappers over the library."""
+"""`specjax` command line: thin wrappers over the library.
+
+Every command logs one line at start: JAX's backend and devices (specjax.machine.log_backend), with
+a warning when a GPU / TPU is present but JAX runs on the CPU.
+
+Exit status: 0 when everything succeeded; 1 when a request failed (its output has finish_reason
+"error" and an "error" message; the other requests still run and are written); 2 for bad arguments
+or input files, reported before anything runs, argparse-style (usage + `specjax CMD: error: ...`
+naming the flag).
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from pathlib import Path
 
+EXIT_OK, EXIT_FAILED_REQUESTS, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A bad command-line argument or input file; the message names the flag. main() reports it like
+    argparse's own errors: usage and `specjax CMD: error: MESSAGE` on stderr, exit status 2."""
+
+
+# API names in library messages -> the flags that set them
+FLAG_NAMES = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+              "top_k": "--top-k", "seed": "--seed", "json_schema": "--json-schema", "regex": "--regex",
+              "grammar": "--grammar", "choice": "--choice", "num_steps": "--num-steps", "topk": "--topk",
+              "num_draft_tokens": "--num-draft-tokens", "tensor_parallel": "--tensor-parallel",
+              "max_seq_len": "--max-seq-len", "max_batch": "--max-batch"}
+_API_PREFIX = re.compile(r"^(invalid SamplingParams: |SpecConfig: |SpecConfig\.)")
+_API_NAME = re.compile(r"\b(" + "|".join(FLAG_NAMES) + r")\b")
+
+
+def flag_message(msg: str) -> str:
+    """A library error message in command-line words: `invalid SamplingParams: temperature must be ...`
+    -> `--temperature must be ...`."""
+    return _API_NAME.sub(lambda m: FLAG_NAMES[m[1]], _API_PREFIX.sub("", msg))
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}")
+    return v
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, except for switches and where the default means "not given"."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+# ----------------------------------------------------------------------------- input files
 
 def _read_prompts(path: str) -> list[dict]:
     rows = []
-    with open(path) as f:
+    try:
+        f = open(path)
+    except OSError as e:
+        raise UsageError(f"--prompts: cannot read {path}: {e.strerror}") from None
+    with f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{n}: not valid JSON ({e})")
+                raise UsageError(f"--prompts {path}:{n}: not valid JSON ({e})") from None
             if not isinstance(row, dict) or not ({"prompt", "turns", "prompt_ids"} & row.keys()):
-                raise SystemExit(f"{path}:{n}: a line needs \"prompt\", \"turns\" or \"prompt_ids\"")
+                raise UsageError(f"--prompts {path}:{n}: a line needs \"prompt\", \"turns\" or \"prompt_ids\"")
+            if not ({"prompt", "prompt_ids"} & row.keys()) and (
+                    not isinstance(row["turns"], list) or not row["turns"] or not isinstance(row["turns"][0], str)):
+                raise UsageError(f"--prompts {path}:{n}: \"turns\" needs at least one string turn")
             rows.append(row)
+    if not rows:
+        raise UsageError(f"--prompts {path}: no prompts in the file")
     return rows
 
 
@@ -30,10 +95,7 @@ def _prepare(row: dict, llm, chat: bool):
     if "prompt" in row:
         text, used = row["prompt"], {"prompt"}
     else:
-        turns = row["turns"]
-        if not turns or not isinstance(turns[0], str):
-            raise SystemExit("a \"turns\" line needs at least one string turn")
-        text, used = turns[0], {"turns"}
+        text, used = row["turns"][0], {"turns"}
     prompt = llm.apply_chat_template([{"role": "user", "content": text}]) if chat else text
     return prompt, text, used
 
@@ -41,22 +103,22 @@ def _prepare(row: dict, llm, chat: bool):
 CONSTRAINT_KEYS = ("json_schema", "regex", "grammar", "choice")
 
 
-def _read_text(path: str, what: str) -> str:
+def _read_text(path: str, flag: str) -> str:
     try:
         with open(path) as f:
             return f.read()
     except OSError as e:
-        raise SystemExit(f"cannot read the {what} file {path}: {e}")
+        raise UsageError(f"{flag}: cannot read {path}: {e.strerror}") from None
 
 
 def _constraint_options(a) -> dict:
     """--json-schema FILE / --regex R / --grammar FILE / --choice A,B,C as SamplingParams fields."""
     if a.json_schema is not None:
-        return {"json_schema": _read_text(a.json_schema, "JSON schema")}
+        return {"json_schema": _read_text(a.json_schema, "--json-schema")}
     if a.regex is not None:
         return {"regex": a.regex}
     if a.grammar is not None:
-        return {"grammar": _read_text(a.grammar, "grammar")}
+        return {"grammar": _read_text(a.grammar, "--grammar")}
     if a.choice is not None:
         return {"choice": a.choice.split(",")}
     return {}
@@ -71,34 +133,115 @@ def _line_constraint(row: dict) -> dict:
     return given
 
 
-def cmd_generate(a) -> int:
-    from specjax import LLM, SamplingParams
-    from specjax.sampling_params import SamplingParamsError
-    if a.prompt is None and a.prompts is None:
-        raise SystemExit("give --prompt TEXT or --prompts FILE.jsonl")
-    rows = [{"prompt": a.prompt}] if a.prompt is not None else _read_prompts(a.prompts)
-    base = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
-    try:
-        SamplingParams(**base, **_constraint_options(a))  # bad command-line options stop here
-    except SamplingParamsError as e:
-        raise SystemExit(str(e))
-    # one parameter set per line: a line's bad constraint fails that line only (finish_reason "error")
-    params = [dict(base, **(_line_constraint(r) or _constraint_options(a))) for r in rows]
-    spec = None
+# ----------------------------------------------------------------------------- the model
+
+def add_model_arguments(g: argparse.ArgumentParser) -> None:
+    """Flags that choose and size the model, the engine and speculative decoding (llm_from_args)."""
+    from specjax.machine import DTYPE_CHOICES
+    g.add_argument("--model", default=None, metavar="DIR",
+                   help="converted model directory (default: SmolLM2-135M-Instruct, fetched on first use)")
+    g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="compute dtype; auto: float32 on the CPU, bfloat16 on GPUs and TPUs")
+    g.add_argument("--max-batch", type=positive_int, default=8, help="requests decoded together")
+    g.add_argument("--max-seq-len", type=positive_int, default=2048,
+                   help="context length per request: prompt + generated tokens")
+    g.add_argument("--tensor-parallel", type=positive_int, default=1,
+                   help="shard the model (heads, MLP, vocabulary, KV heads) over N devices")
+    g.add_argument("--speculate", action="store_true",
+                   help="speculative decoding with the EAGLE-3 head shipped for the default model")
+    g.add_argument("--draft", metavar="DIR",
+                   help="speculative decoding with this draft: a converted EAGLE head or draft model, or 'self'")
+    g.add_argument("--num-steps", type=positive_int, default=4, help="tokens drafted per step")
+    g.add_argument("--topk", type=positive_int, default=1, help="draft tree branching (1 = chain)")
+    g.add_argument("--num-draft-tokens", type=positive_int, default=None,
+                   help="draft tree size (default: --num-steps for a chain, else num-steps * topk)")
+
+
+def check_model_arguments(a) -> None:
+    """Refuse what cannot load (missing / unconverted directories, bad speculation settings) before
+    anything heavy runs; --speculate becomes --draft <the shipped head>."""
+    from specjax.checkpoint import CheckpointError, check_converted
     if a.speculate and a.draft is None:
         if a.model is not None:
-            raise SystemExit("--speculate uses the EAGLE-3 head shipped for the default model; "
+            raise UsageError("--speculate uses the EAGLE-3 head shipped for the default model; "
                              "with --model give --draft DIR")
-        from specjax.default_model import DEFAULT_HEAD_DIR
+        from specjax.assets import DEFAULT_HEAD_DIR
         a.draft = str(DEFAULT_HEAD_DIR)
+    for flag, path, what in (("--model", a.model, "model"), ("--draft", a.draft, "draft")):
+        if path is not None and path != "self":
+            try:
+                check_converted(path, what)
+            except CheckpointError as e:
+                raise UsageError(f"{flag}: {e}") from None
+    a.spec = None
     if a.draft is not None:
         from specjax.llm import draft_method
         from specjax.tree import SpecConfig
-        spec = SpecConfig(method=draft_method(a.draft), num_steps=a.num_steps, topk=a.topk, num_draft_tokens=a.num_draft_tokens)
-    llm = LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft, spec=spec,
-              tensor_parallel=a.tensor_parallel)
+        try:
+            a.spec = SpecConfig(method=draft_method(a.draft), num_steps=a.num_steps, topk=a.topk,
+                                num_draft_tokens=a.num_draft_tokens)
+        except ValueError as e:
+            raise UsageError(flag_message(str(e))) from None
+
+
+def llm_from_args(a):
+    """The LLM the flags of add_model_arguments describe (after check_model_arguments)."""
+    from specjax import LLM
+    return LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft,
+               spec=a.spec, tensor_parallel=a.tensor_parallel)
+
+
+# ----------------------------------------------------------------------------- generate
+
+def _sampling(a, rows: list[dict]) -> list[dict]:
+    """One SamplingParams dict per line; bad command-line values stop here (UsageError naming the
+    flag), a line's bad constraint fails that line only (finish_reason "error")."""
+    from specjax import SamplingParams
+    from specjax.sampling_params import SamplingParamsError
+    base = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
+    try:
+        SamplingParams(**base, **_constraint_options(a))
+    except SamplingParamsError as e:
+        raise UsageError(flag_message(str(e))) from None
+    if a.max_tokens >= a.max_seq_len:
+        raise UsageError(f"--max-tokens {a.max_tokens} cannot fit --max-seq-len {a.max_seq_len} (the prompt "
+                         "and the generated tokens share the context): raise --max-seq-len or lower --max-tokens")
+    return [dict(base, **(_line_constraint(r) or _constraint_options(a))) for r in rows]
+
+
+def _warn_context(llm, prompts, a) -> None:
+    """A prompt whose length + --max-tokens exceeds --max-seq-len is cut short: say so up front."""
+    for i, p in enumerate(prompts):
+        n = len(p) if isinstance(p, list) else len(llm.tokenizer.encode(p, add_special_tokens=False))
+        if n < a.max_seq_len and n + a.max_tokens > a.max_seq_len:
+            print(f"specjax: warning: prompt {i} has {n} tokens: with --max-seq-len {a.max_seq_len} at most "
+                  f"{a.max_seq_len - n} of --max-tokens {a.max_tokens} fit (finish_reason \"length\" there)",
+                  file=sys.stderr)
+
+
+def _finish_note(o, a) -> str:
+    """`[finish_reason: ...]` for stderr: why this output ended."""
+    why = ""
+    if o.finish_reason == "length":
+        ctx = len(o.prompt_token_ids) + len(o.token_ids) >= a.max_seq_len
+        why = f"--max-seq-len {a.max_seq_len} reached" if ctx else f"--max-tokens {a.max_tokens} reached"
+    elif o.finish_reason == "error":
+        why = o.error or "failed"
+    return f"[finish_reason: {o.finish_reason}{f' ({why})' if why else ''}]"
+
+
+def cmd_generate(a) -> int:
+    if a.prompt is None and a.prompts is None:
+        raise UsageError("give --prompt TEXT or --prompts FILE.jsonl")
+    rows = [{"prompt": a.prompt}] if a.prompt is not None else _read_prompts(a.prompts)
+    params = _sampling(a, rows)
+    check_model_arguments(a)
+    from specjax.machine import log_backend
+    log_backend()
+    llm = llm_from_args(a)
     chat = a.chat if a.chat is not None else bool(llm.tokenizer.chat_template)
     prepared = [_prepare(r, llm, chat) for r in rows]
+    _warn_context(llm, [p for p, _, _ in prepared], a)
     outs = llm.generate([p for p, _, _ in prepared], params)
     if a.output:
         with open(a.output, "w") as f:
@@ -114,93 +257,109 @@ def cmd_generate(a) -> int:
     else:
         for (_, text, _), o in zip(prepared, outs):
             if len(outs) > 1:
-                print(f"### {text}")
-            print(o.text)
-            if o.error is not None:
-                print(f"[error: {o.error}]", file=sys.stderr)
+                print(f"### {text}", flush=True)
+            print(o.text, flush=True)
+            print(_finish_note(o, a), file=sys.stderr)
             if o.accept_len_mean is not None:
                 print(f"[mean acceptance length {o.accept_len_mean:.2f}]", file=sys.stderr)
-    return 0
+    failed = sum(o.finish_reason == "error" for o in outs)
+    if failed:
+        print(f"specjax: {failed} of {len(outs)} request{'s' if len(outs) != 1 else ''} failed "
+              "(finish_reason \"error\")", file=sys.stderr)
+        return EXIT_FAILED_REQUESTS
+    return EXIT_OK
 
+
+# ----------------------------------------------------------------------------- other commands
 
 def cmd_convert(a) -> int:
     from specjax.convert import convert, convert_draft
+    from specjax.machine import log_backend
+    if not Path(a.src).exists():
+        raise UsageError(f"SRC {a.src} does not exist")
+    log_backend()
     (convert_draft if a.draft else convert)(a.src, a.out, dtype=a.dtype)
     print(f"converted {a.src} -> {a.out}")
-    return 0
+    return EXIT_OK
 
 
 def cmd_download_default(a) -> int:
     from specjax.default_model import download_default
+    from specjax.machine import log_backend
+    log_backend()
     path = download_default(force=a.force)
     print(f"default model ready at {path}")
-    return 0
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specjax", description="Speculative decoding for LLMs in JAX.")
+    p = argparse.ArgumentParser(prog="specjax", description="Speculative decoding for LLMs in JAX.",
+                                formatter_class=HelpFormatter,
+                                epilog="exit status: 0 ok, 1 a request failed, 2 bad arguments or input files")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="generate text")
-    g.add_argument("--model", default=None, help="converted model dir (default: SmolLM2-135M-Instruct)")
+    g = sub.add_parser("generate", help="generate text", formatter_class=HelpFormatter,
+                       epilog="exit status: 0 every request finished, 1 a request failed (finish_reason "
+                              "\"error\"), 2 bad arguments or input files")
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--prompt")
-    src.add_argument("--prompts", help="JSONL: {\"prompt\"} | {\"turns\": [...]} | {\"prompt_ids\": [...]}; "
-                     "optional per-line \"json_schema\" / \"regex\" / \"grammar\" / \"choice\"")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    g.add_argument("--max-batch", type=int, default=8)
-    g.add_argument("--max-seq-len", type=int, default=2048)
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompts", metavar="FILE.jsonl",
+                     help="JSONL: {\"prompt\"} | {\"turns\": [...]} | {\"prompt_ids\": [...]}; "
+                          "optional per-line \"json_schema\" / \"regex\" / \"grammar\" / \"choice\"")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest tokens (0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    add_model_arguments(g)
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="apply the chat template (default when the model has one)")
     mode.add_argument("--raw", dest="chat", action="store_false", help="use prompts as they are")
-    g.add_argument("--output", help="write one JSON object per prompt to this JSONL file")
-    g.add_argument("--draft", help="speculative decoding: a converted draft model dir, or 'self'")
-    g.add_argument("--num-steps", type=int, default=4, help="tokens drafted per step")
-    g.add_argument("--topk", type=int, default=1, help="draft tree branching (1 = chain)")
-    g.add_argument("--num-draft-tokens", type=int, default=None)
-    g.add_argument("--speculate", action="store_true",
-                   help="speculative decoding with the EAGLE-3 head shipped for the default model")
-    g.add_argument("--tensor-parallel", type=int, default=1,
-                   help="shard the model (heads, MLP, vocabulary, KV heads) over N devices")
+    g.add_argument("--output", metavar="OUT.jsonl",
+                   help="write one JSON object per prompt (text, token_ids, finish_reason, ...) to this file")
     con = g.add_mutually_exclusive_group()
     con.add_argument("--json-schema", metavar="FILE", help="constrain outputs to this JSON schema")
     con.add_argument("--regex", metavar="R", help="constrain outputs to this regular expression")
     con.add_argument("--grammar", metavar="FILE", help="constrain outputs to this EBNF grammar (rule root)")
     con.add_argument("--choice", metavar="A,B,C", help="the output is exactly one of these strings")
-    g.set_defaults(fn=cmd_generate)
+    g.set_defaults(fn=cmd_generate, parser=g)
 
-    c = sub.add_parser("convert", help="convert an HF folder or a .gguf file to a specjax checkpoint")
-    c.add_argument("src")
-    c.add_argument("out")
-    c.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    c = sub.add_parser("convert", help="convert an HF folder or a .gguf file to a specjax checkpoint",
+                       formatter_class=HelpFormatter)
+    c.add_argument("src", help="Hugging Face model folder (config.json + *.safetensors), .gguf file, "
+                               "or (with --draft) an EAGLE head folder")
+    c.add_argument("out", help="output directory")
+    c.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="dtype the parameters are stored in (models load in any dtype)")
     c.add_argument("--draft", action="store_true",
                    help="SRC is an EAGLE-1 / EAGLE-3 draft head folder (config.json + weights)")
-    c.set_defaults(fn=cmd_convert)
+    c.set_defaults(fn=cmd_convert, parser=c)
 
-    d = sub.add_parser("download-default", help="fetch and convert SmolLM2-135M-Instruct")
-    d.add_argument("--force", action="store_true")
-    d.set_defaults(fn=cmd_download_default)
+    d = sub.add_parser("download-default", help="fetch and convert SmolLM2-135M-Instruct",
+                       formatter_class=HelpFormatter)
+    d.add_argument("--force", action="store_true", help="fetch and convert again even if present")
+    d.set_defaults(fn=cmd_download_default, parser=d)
 
     from specjax import eval as spec_eval
-    ev = sub.add_parser("eval", help="acceptance length and speed-up of speculative decoding over prompt sets")
+    ev = sub.add_parser("eval", help="acceptance length and speed-up of speculative decoding over prompt sets",
+                        formatter_class=HelpFormatter)
     spec_eval.add_arguments(ev)
-    ev.set_defaults(fn=spec_eval.cmd_eval)
+    ev.set_defaults(fn=spec_eval.cmd_eval, parser=ev)
     return p
 
 
 def main(argv=None) -> int:
+    from specjax.machine import console_logging
     args = build_parser().parse_args(argv)
+    console_logging()
     try:
         return args.fn(args)
+    except UsageError as e:
+        args.parser.error(str(e))  # usage + `specjax CMD: error: ...`, exit 2
     except (ValueError, FileNotFoundError) as e:
         print(f"specjax: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

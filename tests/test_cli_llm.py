@@ -180,16 +180,18 @@ def test_cli_generate_jsonl(llm, tmp_path):
     assert set(got[0]) == {"prompt", "text", "token_ids", "finish_reason"}
 
 
-def test_cli_refuses_bad_input(tmp_path):
+def test_cli_refuses_bad_input(tmp_path, capsys):
+    """Argument errors exit 2, argparse-style, naming the flag (more cases: tests/test_cli_errors.py)."""
     src = tmp_path / "bad.jsonl"
     src.write_text(json.dumps({"prompt": "ok"}) + "\n\n{\"prompt\": oops}\n")
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompts", str(src), "--max-tokens", "2"])
-    msg = str(e.value.code)
-    assert f"{src}:3:" in msg and "JSON" in msg
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--prompts {src}:3:" in err and "JSON" in err
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "hi", "--top-p", "2"])
-    assert "top_p" in str(e.value.code)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--top-p must be in (0, 1]" in err and "SamplingParams" not in err
 
 
 @pytest.mark.parametrize("topk", [1])

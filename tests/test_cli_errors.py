@@ -1,0 +1,159 @@
+"""`specjax generate` on bad input: argument errors exit 2 before anything loads, argparse-style and
+naming the flag; failed requests exit 1 with their finish_reason "error" (the others still run);
+every output reports its finish_reason (stderr for text, always in --output lines); the backend line
+at start. Runs on the tiny random model of tests/tiny_dir.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny_dir import make_tiny_model_dir
+
+import specjax.llm
+from specjax import machine
+from specjax.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", num_layers=2)
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Fails the test if the command gets as far as building an LLM."""
+    class Refuse:
+        def __init__(self, *a, **k):
+            raise AssertionError("an argument error must stop the command before any model loads")
+    monkeypatch.setattr(specjax.llm, "LLM", Refuse)
+
+
+def usage_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert "usage: specjax generate" in err  # argparse-style: usage, then `specjax generate: error: ...`
+    return err.split("specjax generate: error: ", 1)[1].strip()
+
+
+def unconverted(tmp_path, kind):
+    if kind == "hf":  # a Hugging Face folder that was never converted
+        d = tmp_path / "hf"
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        return d
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF")
+    return f
+
+
+CASES = [  # (extra arguments, what the message must say)
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+    (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+    (["--top-k", "-3"], "--top-k must be an integer >= 0"),
+    (["--max-tokens", "0"], "--max-tokens must be an integer >= 1, got 0"),
+    (["--max-tokens", "5000"], "--max-tokens 5000 cannot fit --max-seq-len 2048"),
+    (["--max-tokens", "64", "--max-seq-len", "64"], "--max-tokens 64 cannot fit --max-seq-len 64"),
+    (["--max-batch", "0"], "argument --max-batch: must be an integer >= 1, got 0"),
+    (["--max-seq-len", "x"], "argument --max-seq-len: must be an integer >= 1, got 'x'"),
+    (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    (["--draft", "{tmp}/missing"], "--draft: draft directory {tmp}/missing does not exist"),
+    (["--model", "{tmp}/missing"], "--model: model directory {tmp}/missing does not exist"),
+    (["--draft", "self", "--num-steps", "2", "--num-draft-tokens", "3"],
+     "with --topk=1 (a chain) --num-draft-tokens must equal --num-steps (2), got 3"),
+    (["--speculate", "--model", "{tiny}"], "--speculate uses the EAGLE-3 head shipped for the default model"),
+    (["--choice", ""], "--choice must hold non-empty strings"),
+    (["--json-schema", "{tmp}/missing.json"], "--json-schema: cannot read {tmp}/missing.json"),
+    (["--grammar", "{tmp}/missing.ebnf"], "--grammar: cannot read {tmp}/missing.ebnf"),
+]
+
+
+@pytest.mark.parametrize("extra,want", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_argument_errors_exit_2_naming_the_flag(tmp_path, capsys, no_load, tiny, extra, want):
+    fill = lambda s: s.replace("{tmp}", str(tmp_path)).replace("{tiny}", str(tiny))  # noqa: E731
+    msg = usage_error(capsys, ["generate", "--prompt", "hi", *map(fill, extra)])
+    assert fill(want) in msg
+    assert "SamplingParams" not in msg and "SpecConfig" not in msg and "_" not in msg.split(" ")[0]
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+@pytest.mark.parametrize("flag", ["--model", "--draft"])
+def test_unconverted_directory_suggests_convert(tmp_path, capsys, no_load, flag, kind):
+    path = unconverted(tmp_path, kind)
+    msg = usage_error(capsys, ["generate", "--prompt", "hi", flag, str(path)])
+    word = "model" if flag == "--model" else "draft"
+    assert msg.startswith(f"{flag}: {word} ")
+    assert f"specjax convert {path} OUT_DIR" in msg
+    if flag == "--draft":
+        assert f"specjax convert --draft {path} OUT_DIR" in msg
+
+
+def test_bad_prompts_and_schema_files(tmp_path, capsys, no_load):
+    assert "give --prompt TEXT or --prompts FILE.jsonl" in usage_error(capsys, ["generate"])
+    missing = tmp_path / "nope.jsonl"
+    assert f"--prompts: cannot read {missing}: No such file or directory" in usage_error(
+        capsys, ["generate", "--prompts", str(missing)])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"question": "b"}\n')
+    assert f"--prompts {bad}:2: a line needs" in usage_error(capsys, ["generate", "--prompts", str(bad)])
+    bad.write_text('{"turns": []}\n')
+    assert f"--prompts {bad}:1: \"turns\" needs at least one string turn" in usage_error(
+        capsys, ["generate", "--prompts", str(bad)])
+    bad.write_text("\n")
+    assert "no prompts in the file" in usage_error(capsys, ["generate", "--prompts", str(bad)])
+    schema = tmp_path / "schema.json"
+    schema.write_text("{not json")
+    assert "--json-schema is not valid JSON" in usage_error(
+        capsys, ["generate", "--prompt", "hi", "--json-schema", str(schema)])
+
+
+def test_failed_requests_exit_1_and_the_others_run(tiny, tmp_path, capsys):
+    """A line with an invalid schema and an empty raw prompt fail alone: finish_reason "error" with
+    the reason in their --output lines, the good line runs, the exit status is 1."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"prompt": "w5 w6 w7"}, {"prompt": "w8", "json_schema": "{broken"}, {"prompt": ""}]
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    rc = main(["generate", "--model", str(tiny), "--prompts", str(src), "--output", str(out), "--raw",
+               "--max-tokens", "4", "--max-seq-len", "64", "--max-batch", "2"])
+    err = capsys.readouterr().err
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rc == 1 and "2 of 3 requests failed" in err
+    assert got[0]["finish_reason"] in ("stop", "length") and got[0]["token_ids"] and "error" not in got[0]
+    assert got[1]["finish_reason"] == "error" and "json_schema" in got[1]["error"]
+    assert got[2]["finish_reason"] == "error" and "empty" in got[2]["error"]
+    # text mode: the same failure, reported on stderr with its reason
+    rc = main(["generate", "--model", str(tiny), "--prompt", "", "--raw", "--max-tokens", "4", "--max-seq-len", "64"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "[finish_reason: error (prompt 0 is empty)]" in err and "1 of 1 request failed" in err
+
+
+def test_finish_reason_and_backend_line(tiny, tmp_path, capsys, monkeypatch):
+    """Truncation is reported as finish_reason "length" with what cut it (--max-tokens, or the
+    context: warned about up front); the command starts with the backend line."""
+    monkeypatch.setattr(machine, "_logged", False)
+    prompt = " ".join(f"w{4 + i % 80}" for i in range(60))
+    rc = main(["generate", "--model", str(tiny), "--prompts", str(_jsonl(tmp_path, ["w5 w6 w7", prompt])),
+               "--raw", "--max-tokens", "6", "--max-seq-len", "64", "--max-batch", "2",
+               "--output", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert err.startswith(f"specjax: {machine.backend_line()}\n")
+    assert "prompt 1 has 60 tokens: with --max-seq-len 64 at most 4 of --max-tokens 6 fit" in err
+    got = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [g["finish_reason"] for g in got] == ["length", "length"]
+    assert [len(g["token_ids"]) for g in got] == [6, 4]
+    # text mode: the same outputs, each with its finish_reason on stderr
+    rc = main(["generate", "--model", str(tiny), "--prompts", str(_jsonl(tmp_path, ["w5 w6 w7", prompt])),
+               "--raw", "--max-tokens", "6", "--max-seq-len", "64", "--max-batch", "2"])
+    cap = capsys.readouterr()
+    assert rc == 0
+    assert "[finish_reason: length (--max-tokens 6 reached)]" in cap.err
+    assert "[finish_reason: length (--max-seq-len 64 reached)]" in cap.err
+    assert cap.out.splitlines()[1] == got[0]["text"]
+
+
+def _jsonl(tmp_path, prompts):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return f
