@@ -14,7 +14,7 @@ run's, so the difference is pure overhead: mask computation, upload, split progr
 nested JSON schema (real masks; acceptance differs from free text). Goals checked: bubble <= 2% of
 wall time for the async scenarios; constrained >= 0.97x unconstrained tokens/s.
 
-    python scripts/bench_engine.py                      # SmolLM2, EAGLE-3 head if converted, else self
+    python scripts/bench_engine.py                      # SmolLM2 with its shipped EAGLE-3 head
     python scripts/bench_engine.py --draft self --batch 1,32 --max-tokens 256 --json out.jsonl
 """
 from __future__ import annotations
@@ -145,9 +145,9 @@ def scenario(llm, name, prompts, grammar, sched, max_tokens, reps):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(REPO / "checkpoints/smollm2-135m-instruct"))
-    p.add_argument("--draft", default=None, help="draft dir or 'self' (default: checkpoints/eagle3-smollm2-135m "
-                   "when it exists, else self)")
+    p.add_argument("--model", default=None, help="converted model dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="draft dir or 'self' (default: the EAGLE-3 head shipped for the "
+                   "default model; self with --model)")
     p.add_argument("--num-steps", type=int, default=4)
     p.add_argument("--topk", type=int, default=1)
     p.add_argument("--num-draft-tokens", type=int, default=None)
@@ -161,8 +161,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from specjax.llm import draft_method
     from specjax.tree import SpecConfig
-    draft = a.draft or (str(REPO / "checkpoints/eagle3-smollm2-135m")
-                        if (REPO / "checkpoints/eagle3-smollm2-135m").exists() else "self")
+    from specjax.assets import DEFAULT_HEAD_DIR
+    draft = a.draft or (str(DEFAULT_HEAD_DIR) if a.model is None else "self")
     spec = SpecConfig(method=draft_method(draft), num_steps=a.num_steps, topk=a.topk,
                       num_draft_tokens=a.num_draft_tokens)
     batches = [int(b) for b in a.batch.split(",")]

@@ -16,13 +16,15 @@
 #   2. train    EAGLE-3 training-time test over TTT steps, the target's features computed inside the
 #               training step, 1 % of the packed rows held out (acc@1..TTT in the log, curves.png);
 #               STEPS steps or TRAIN_BUDGET seconds; exports the head to $OUT with TRAINING.md
-# Evaluation prompt sets (data/prompts/*) are never used. Needs the converted default model at $MODEL.
+# Evaluation prompt sets (data/prompts/*) are never used. Needs the converted default model at $MODEL
+# (default: specjax's, fetched and converted if missing).
 # PACK_TO=DIR also writes the head as a .tgz split into 15 MB parts (reassemble:
 # cat eagle3-head.tgz.part-* | tar -xzf - -C checkpoints) plus the logs and the plot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-MODEL=${MODEL:-checkpoints/smollm2-135m-instruct}
+PY=${PYTHON:-python3}
+MODEL=${MODEL:-$("$PY" -c "from specjax.default_model import ensure_default; print(ensure_default())")}
 RUN=${RUN:-runs/eagle3-smollm2-135m}
 OUT=${OUT:-checkpoints/eagle3-smollm2-135m}
 GSM8K=${GSM8K:-data/train/gsm8k_train.jsonl}
@@ -38,7 +40,6 @@ SEQ_LEN=${SEQ_LEN:-1024}
 LR=${LR:-6e-4}
 TTT=${TTT:-7}
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
-PY=${PYTHON:-python3}
 
 for alt in "shared/data/train/$(basename "$GSM8K")" "../shared/data/train/$(basename "$GSM8K")"; do
   if [ ! -f "$GSM8K" ] && [ -f "$alt" ]; then GSM8K=$alt; fi
