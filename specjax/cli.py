@@ -14,7 +14,6 @@ import argparse
 import json
 import re
 import sys
-from pathlib import Path
 
 EXIT_OK, EXIT_FAILED_REQUESTS, EXIT_USAGE = 0, 1, 2
 
@@ -275,8 +274,6 @@ def cmd_generate(a) -> int:
 def cmd_convert(a) -> int:
     from specjax.convert import convert, convert_draft
     from specjax.machine import log_backend
-    if not Path(a.src).exists():
-        raise UsageError(f"SRC {a.src} does not exist")
     log_backend()
     (convert_draft if a.draft else convert)(a.src, a.out, dtype=a.dtype)
     print(f"converted {a.src} -> {a.out}")
