@@ -35,8 +35,9 @@ Implementations, all with the same contract:
     destinations. The pages are passed as mutable refs (or aliased pallas_call operands), so with
     donated pages only the moved entries are touched.
 
-`kv_compact` validates and dispatches; on GPU "auto" takes the first of mosaic, pallas (Triton),
-reference that lowers and compiles for the shapes at hand (probed once per shape signature).
+`kv_compact` validates and runs the implementation its caller names; it never chooses one. Which
+one runs is decided once, outside traced code, by the caller (specjax.kernels at engine start, with
+`compile_error` to probe whether an implementation compiles for the engine's shapes).
 
 Inside the kernels every entry is viewed as an [R, C] slab (`_slab_shape`): the trailing dims are
 flattened and split so that rows are 16-byte multiples and both sides are <= 256 elements, which
@@ -53,15 +54,16 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 __all__ = [
-    "auto_impl",
+    "IMPLS",
     "compact_moves",
+    "compile_error",
     "kv_compact",
     "kv_compact_mosaic",
     "kv_compact_pallas",
     "kv_compact_reference",
 ]
 
-IMPLS = ("auto", "mosaic", "pallas", "reference")
+IMPLS = ("reference", "pallas", "mosaic", "mosaic:pallas_call")  # "mosaic" = the pl.kernel entry
 MOSAIC_ENTRIES = ("kernel", "pallas_call")
 _SMEM_BUDGET = 160 * 1024  # bytes of staging SMEM one CTA may use (H100/H200 allow ~227 KiB)
 
@@ -390,62 +392,38 @@ def _validate(pages, page_table, start, accept_idx, num_accepted):
     return pages
 
 
-_CANDIDATES = {  # what "auto" tries on GPU, in order
-    "mosaic": functools.partial(kv_compact_mosaic, entry="kernel"),
-    "mosaic:pallas_call": functools.partial(kv_compact_mosaic, entry="pallas_call"),
-    "pallas": kv_compact_pallas,
-}
-_COMPILES: dict = {}
-
-
-def _compiles(name: str, args) -> bool:
-    """True if candidate `name` lowers and compiles for these shapes on the default backend
-    (cached per shape / dtype signature)."""
-    key = (name,) + tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree_util.tree_leaves(args))
-    if key not in _COMPILES:
-        try:
-            structs = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-            jax.jit(_CANDIDATES[name]).lower(*structs).compile()
-            _COMPILES[key] = True
-        except Exception:  # noqa: BLE001 - any lowering / compile failure: try the next candidate
-            _COMPILES[key] = False
-    return _COMPILES[key]
-
-
-def auto_impl(pages, page_table, start, accept_idx, num_accepted) -> str:
-    """The implementation "auto" picks for these arguments: on GPU the first of "mosaic",
-    "mosaic:pallas_call", "pallas" that compiles, else "reference"."""
-    if jax.default_backend() != "gpu":
-        return "reference"
-    args = (list(pages), page_table, start, accept_idx, num_accepted)
-    for name in _CANDIDATES:
-        if _compiles(name, args):
-            return name
-    return "reference"
-
-
-def kv_compact(pages, page_table, start, accept_idx, num_accepted, *, impl="auto", interpret=False):
-    """Validate shapes / dtypes and dispatch. Returns the list of updated page arrays.
+def kv_compact(pages, page_table, start, accept_idx, num_accepted, *, impl="reference", interpret=False):
+    """Validate shapes / dtypes and run implementation `impl`. Returns the list of updated pages.
 
     impl: "reference" (pure jnp), "pallas" (generic pallas_call: Triton on GPU; `interpret` runs it
-    in the Pallas interpreter), "mosaic" (Mosaic GPU kernel; GPU only, or its CPU interpreter with
-    `interpret=True`) or "auto" (on GPU the first of mosaic, pallas, reference that compiles for
-    these shapes; the reference elsewhere). Donate the pages to update them in place.
+    in the Pallas interpreter), "mosaic" / "mosaic:pallas_call" (Mosaic GPU kernel through pl.kernel /
+    pallas_call; GPU only, or its CPU interpreter with `interpret=True`). No implementation is chosen
+    here (and none replaced by another when it fails): the caller picks one, outside traced code.
+    Donate the pages to update them in place.
     """
     pages = _validate(pages, page_table, start, accept_idx, num_accepted)
     if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r} (an \"auto\" choice is made once by "
+                         "the caller, outside traced code: specjax.kernels)")
     args = (pages, page_table, start, accept_idx, num_accepted)
-    if impl == "auto":
-        impl = auto_impl(*args)
-        if impl == "reference":
-            return kv_compact_reference(*args)
-        return _CANDIDATES[impl](*args)
     if impl == "reference":
         return kv_compact_reference(*args)
     if impl == "pallas":
         return kv_compact_pallas(*args, interpret=interpret)
     if not interpret and jax.default_backend() != "gpu":
-        raise ValueError('impl="mosaic" needs a GPU backend (or interpret=True for the Mosaic GPU '
+        raise ValueError(f'impl="{impl}" needs a GPU backend (or interpret=True for the Mosaic GPU '
                          f"interpreter); the default backend is {jax.default_backend()!r}")
-    return kv_compact_mosaic(*args, interpret=interpret)
+    entry = "pallas_call" if impl == "mosaic:pallas_call" else "kernel"
+    return kv_compact_mosaic(*args, entry=entry, interpret=interpret)
+
+
+def compile_error(impl: str, pages, page_table, start, accept_idx, num_accepted) -> str | None:
+    """None if `impl` lowers and compiles on the default backend for these shapes (arrays or
+    jax.ShapeDtypeStruct), else why not. Compiles a program: call it outside traced code, once."""
+    args = (list(pages), page_table, start, accept_idx, num_accepted)
+    structs = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    try:
+        jax.jit(functools.partial(kv_compact, impl=impl)).lower(*structs).compile()
+    except Exception as e:  # noqa: BLE001 - any lowering / compile failure is the answer, with its message
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -12,7 +12,8 @@ layers 2, L/2, L-3). Reported per configuration:
   ratio       fused_ms / plain_ms: with mean acceptance length tau, speculation pays when tau > ratio.
 Configs: chainK = chain of K drafted tokens; treeKxM[dS] = topk K, num_draft_tokens M, num_steps S
 (default 5). --breakdown also times the parts alone: the target forward over the tree, verify +
-accept (+ compaction), and the draft part (extend + growth).
+accept (+ compaction), and the draft part (extend + growth). --kv-compact-impl: the compaction
+kernel, chosen once per configuration like the engine does (specjax.kernels; printed with each row).
 Lengths grow during the run (context .. context + steps * (S + 1)); random heads accept little.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from specjax import decode, step  # noqa: E402
+from specjax import decode, kernels, step  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.drafter import DraftInfo  # noqa: E402
 from specjax.kv_cache import init_cache  # noqa: E402
@@ -107,17 +108,25 @@ def bench_plain(target, cfg, batch, context, max_seq_len, page_size, steps):
     return t
 
 
-def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_size, steps, breakdown=False):
+def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_size, steps, breakdown=False,
+               kv_compact_impl="auto"):
     rows = batch  # T = N > 1 tokens per row: no 2-row padding needed (unlike the T = 1 decode step)
     slots = jnp.arange(rows, dtype=jnp.int32)
     active = jnp.arange(rows) < batch
     info = DraftInfo("eagle3", ecfg.aux_layers)
     tgd, tp = nnx.split(target)
     dgd, dp = nnx.split(head)
-    fns, tw, dw = step.compile_spec_steps(info, spec, tgd, tp, dgd, dp)
     dkv = make_cache(ecfg.layer, rows, max_seq_len, page_size, jnp.bfloat16).kv
     state = place(step.init_spec_state(make_cache(cfg, rows, max_seq_len, page_size, jnp.bfloat16), dkv, spec,
                                        cfg.vocab_size, sample_drafts=False))
+    impl = "reference"
+    if not spec.is_chain:  # chosen once, as the engine does (a chain compacts nothing)
+        kv = state.cache.kv
+        args = kernels.compact_shapes(len(kv), kv[0].shape, kv[0].dtype, rows, state.cache.page_table.shape[1],
+                                      spec.num_steps + 1)
+        impl, _ = kernels.choose_kv_compact(kv_compact_impl, args)
+    kern = kernels.Kernels(kv_compact=impl)
+    fns, tw, dw = step.compile_spec_steps(info, spec, tgd, tp, dgd, dp, kernels=kern)
     toks = jax.random.randint(jax.random.key(0), (rows, context), 0, cfg.vocab_size, jnp.int32)
     lens = jnp.full((rows,), context, jnp.int32)
     _, state = fns.prefill(tw, dw, state, toks, lens, slots, None, stochastic=False)
@@ -131,7 +140,7 @@ def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_
 
     def part1(tw, s):
         ver = step.verify_forward(info, spec, nnx.merge(tgd, jax.tree.unflatten(t_def, tw)), s, slots, active)
-        acc = step.accept(spec, s, ver, slots, active, None, False, False)
+        acc = step.accept(spec, s, ver, slots, active, None, False, False, kernels=kern)
         return (ver.h, ver.aux, acc.out, acc.accept_idx, acc.bonus), dataclasses.replace(s, cache=acc.cache)
 
     def part2(tw, dw, s, h, aux, out, idx, bonus):
@@ -161,7 +170,7 @@ def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_
         p2n = jax.jit(part2)
         parts["draft_ms"] = timed(lambda s: (p2n(tw, dw, s, *mid).draft_seq_lens, s), state, steps)[0] * 1e3
     n = np.asarray(fns.step(tw, dw, state, slots, active, None, stochastic=False)[0].num_accepted)
-    return fused, unf, float(n[:batch].mean()), parts
+    return fused, unf, float(n[:batch].mean()), dict(parts, kv_compact=impl)
 
 
 def main():
@@ -175,6 +184,7 @@ def main():
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--tensor-parallel", type=int, default=1)
+    p.add_argument("--kv-compact-impl", default="auto", choices=kernels.KV_COMPACT_CHOICES)
     a = p.parse_args()
     global MESH
     if a.tensor_parallel > 1:
@@ -196,7 +206,7 @@ def main():
             for name in a.configs.split(","):
                 spec = parse_config(name)
                 fused, unf, tau, parts = bench_spec(target, cfg, head, ecfg, spec, b, a.context, a.max_seq_len,
-                                                    a.page_size, a.steps, a.breakdown)
+                                                    a.page_size, a.steps, a.breakdown, a.kv_compact_impl)
                 r = dict(shape=shape, tp=a.tensor_parallel, batch=b, config=name, num_steps=spec.num_steps, topk=spec.topk,
                          num_draft_tokens=spec.num_draft_tokens, plain_ms=plain * 1e3, fused_ms=fused * 1e3,
                          unfused_ms=unf * 1e3, ratio=fused / plain, random_head_tau=tau, **parts)

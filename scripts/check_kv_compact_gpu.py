@@ -100,8 +100,9 @@ def run_config(cfg) -> dict:
         pages.append(x.astype(dtype))
     jax.block_until_ready(pages)
     rec["cache_gib"] = round(sum(p.size * p.dtype.itemsize for p in pages) / 2**30, 3)
-    try:
-        rec["auto"] = kvc.auto_impl(pages, *idx)
+    try:  # what an engine with kv_compact_impl="auto" would choose for these shapes
+        from specjax.kernels import choose_kv_compact
+        rec["auto"], rec["auto_note"] = choose_kv_compact("auto", (pages, *idx))
     except Exception as e:  # noqa: BLE001
         rec["errors"]["auto"] = f"{type(e).__name__}: {e}"[:4000]
 

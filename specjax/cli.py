@@ -100,6 +100,7 @@ def _prepare(row: dict, llm, chat: bool):
 
 
 CONSTRAINT_KEYS = ("json_schema", "regex", "grammar", "choice")
+KV_COMPACT_CHOICES = ("auto", "reference", "pallas", "mosaic", "mosaic:pallas_call")  # specjax.kernels (no jax here)
 
 
 def _read_text(path: str, flag: str) -> str:
@@ -154,6 +155,10 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--topk", type=positive_int, default=1, help="draft tree branching (1 = chain)")
     g.add_argument("--num-draft-tokens", type=positive_int, default=None,
                    help="draft tree size (default: --num-steps for a chain, else num-steps * topk)")
+    g.add_argument("--kv-compact-impl", choices=KV_COMPACT_CHOICES, default="auto",
+                   help="KV compaction kernel of draft trees; auto: chosen once at start (a GPU kernel that "
+                        "compiles, else the jnp reference); others are forced (an error if one does not "
+                        "compile here). The engine's info line on stderr names the one that runs")
 
 
 def check_model_arguments(a) -> None:
@@ -187,7 +192,7 @@ def llm_from_args(a):
     """The LLM the flags of add_model_arguments describe (after check_model_arguments)."""
     from specjax import LLM
     return LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft,
-               spec=a.spec, tensor_parallel=a.tensor_parallel)
+               spec=a.spec, tensor_parallel=a.tensor_parallel, kv_compact_impl=a.kv_compact_impl)
 
 
 # ----------------------------------------------------------------------------- generate

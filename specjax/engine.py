@@ -27,6 +27,7 @@ Batches without grammars run the fused speculative step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import deque
 
 import jax
@@ -35,19 +36,22 @@ import numpy as np
 from flax import nnx
 
 from specjax import programs as prog
+from specjax.kernels import KV_COMPACT_CHOICES, Kernels, choose_kv_compact, compact_shapes
 from specjax.kv_cache import init_cache
 from specjax.request import Request
 from specjax.sampling import SamplingArrays
-from specjax.scheduler import MIN_PREFILL_LEN, Scheduler, SchedulerOptions, bucket
+from specjax.scheduler import MIN_PREFILL_LEN, Scheduler, SchedulerOptions, bucket, slot_pages
 
 __all__ = ["BatchOptions", "CacheOptions", "Draft", "Engine", "SchedulerOptions", "StepUpdate"]
+
+log = logging.getLogger("specjax")
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheOptions:
     page_size: int = 16
     max_seq_len: int = 2048
-    num_pages: int | None = None  # default: every slot can reach max_seq_len
+    num_pages: int | None = None  # default: every slot can reach max_seq_len (plus a speculative step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +100,15 @@ def _as_rows(kind: str, x) -> np.ndarray:
 
 class Engine:
     def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
-                 draft: Draft | None = None, mesh=None, sched: SchedulerOptions | None = None, grammar=None):
+                 draft: Draft | None = None, mesh=None, sched: SchedulerOptions | None = None, grammar=None,
+                 kv_compact_impl: str = "auto"):
         """mesh: a specjax.sharding mesh for tensor parallelism (None: one device). Weights are placed
         in their shardings and the device state is created sharded; the steps run unchanged (GSPMD).
         sched: SchedulerOptions (async loop, grammar overlap). grammar: a specjax.grammar.GrammarCompiler
-        for constrained requests, or a callable building one on first use (None: they fail)."""
+        for constrained requests, or a callable building one on first use (None: they fail).
+        kv_compact_impl: compaction of accepted tree paths, "auto" or one to force (specjax.kernels;
+        a forced one that does not compile raises KernelError). The choice is `self.kernels`, reported
+        in `self.info` (logged at INFO on the "specjax" logger)."""
         self.cfg = cfg
         self.cache_opts, self.batch_opts = cache_opts, batch_opts
         self.opts = sched or SchedulerOptions()
@@ -115,29 +123,37 @@ class Engine:
             if draft is not None and draft.model is not model:
                 sharding.shard_model(draft.model, mesh, sharding.resolve_rules(draft.kv_cfg, tp))
         if draft is None:
-            self.steps, self.weights = prog.plain_programs(*nnx.split(model))
             ahead = advance = batch_opts.steps_per_call
+            tail = 0
         else:
             from specjax import step
-            self.spec_steps, self.weights, self.draft_weights = prog.spec_programs(
-                draft.info, draft.spec, *nnx.split(model), *nnx.split(draft.model))
             self.lookahead = step.lookahead(draft.spec, draft.info)
             ahead, advance = self.lookahead, draft.spec.num_steps + 1
-        pages_per_slot = -(-cache_opts.max_seq_len // cache_opts.page_size)
+            # a speculative step writes up to `lookahead` entries past a slot's length, also at the end
+            # of the context: slots address max_seq_len + lookahead entries (specjax.scheduler, "Capacity")
+            tail = self.lookahead
+        pages_per_slot = slot_pages(cache_opts.max_seq_len + tail, cache_opts.page_size)
         num_pages = cache_opts.num_pages or batch_opts.max_batch * pages_per_slot + 1
         self.sched = Scheduler(num_pages=num_pages, page_size=cache_opts.page_size, max_seq_len=cache_opts.max_seq_len,
                                max_batch=batch_opts.max_batch, max_prefill_tokens=batch_opts.max_prefill_tokens,
-                               ahead=ahead, advance=advance)
+                               ahead=ahead, advance=advance, tail=tail)
+        self.kernels, kernel_note = self._choose_kernels(kv_compact_impl, num_pages, dtype)
+        if draft is None:
+            self.steps, self.weights = prog.plain_programs(*nnx.split(model))
+        else:
+            self.spec_steps, self.weights, self.draft_weights = prog.spec_programs(
+                draft.info, draft.spec, *nnx.split(model), *nnx.split(draft.model), kernels=self.kernels)
+        slot_len = self.sched.capacity  # cache entries one slot addresses
 
         def make_state():
             cache = init_cache(cfg, num_pages=num_pages, page_size=cache_opts.page_size,
-                               max_slots=batch_opts.max_batch, max_seq_len=cache_opts.max_seq_len, dtype=dtype)
+                               max_slots=batch_opts.max_batch, max_seq_len=slot_len, dtype=dtype)
             if draft is None:
                 from specjax.decode import DecodeState
                 return DecodeState(cache, jnp.zeros((batch_opts.max_batch,), jnp.int32))
             from specjax.step import init_spec_state
             dkv = init_cache(draft.kv_cfg, num_pages=num_pages, page_size=cache_opts.page_size,
-                             max_slots=batch_opts.max_batch, max_seq_len=cache_opts.max_seq_len, dtype=dtype).kv
+                             max_slots=batch_opts.max_batch, max_seq_len=slot_len, dtype=dtype).kv
             return init_spec_state(cache, dkv, draft.spec, cfg.vocab_size)
 
         self.samp: SamplingArrays = prog.init_samp(batch_opts.max_batch)  # per slot, on the device
@@ -148,6 +164,36 @@ class Engine:
             self.samp = jax.device_put(self.samp, sharding.replicated(mesh))
         self._pending: deque[_Dispatched] = deque()
         self._updates: dict[int, StepUpdate] = {}
+        self.info = self._describe(dtype, num_pages, kernel_note)
+        log.info("engine: %s", self.info)
+
+    def _choose_kernels(self, kv_compact_impl: str, num_pages: int, dtype) -> tuple[Kernels, str]:
+        """The kernel implementations of this engine's programs, chosen once, here (specjax.kernels)."""
+        if kv_compact_impl not in KV_COMPACT_CHOICES:
+            raise ValueError(f"kv_compact_impl must be one of {KV_COMPACT_CHOICES}, got {kv_compact_impl!r}")
+        spec = None if self.draft is None else self.draft.spec
+        if spec is None or spec.is_chain:  # a chain's accepted path is already in place
+            unused = "" if kv_compact_impl == "auto" else f"; {kv_compact_impl!r} was asked for"
+            return Kernels(), f"not used ({'plain decoding' if spec is None else 'chain'}{unused})"
+        rows = bucket(max(self.batch_opts.max_batch, 2), 2, max(2, self.batch_opts.max_batch))  # largest step batch
+        page_shape = (num_pages, self.cache_opts.page_size, 2, self.cfg.num_kv_heads, self.cfg.head_dim)
+        args = compact_shapes(self.cfg.num_layers, page_shape, dtype, rows, self.sched.pages_per_slot,
+                              spec.num_steps + 1)
+        impl, note = choose_kv_compact(kv_compact_impl, args)
+        return Kernels(kv_compact=impl), f"{impl} ({note})"
+
+    def _describe(self, dtype, num_pages: int, kernel_note: str) -> str:
+        """The engine's info line: decoding mode, cache layout, kernels."""
+        c, b = self.cache_opts, self.batch_opts
+        if self.draft is None:
+            mode = f"plain decoding ({b.steps_per_call} steps per dispatch)"
+        else:
+            s = self.draft.spec
+            mode = (f"speculative ({self.draft.info.method}: num_steps={s.num_steps} topk={s.topk} "
+                    f"num_draft_tokens={s.num_draft_tokens}, lookahead {self.lookahead})")
+        return (f"{mode}; {b.max_batch} slots of {self.sched.capacity} cache entries (max_seq_len {c.max_seq_len}), "
+                f"{num_pages} pages of {c.page_size}, {jnp.dtype(dtype).name}; "
+                f"kernels: kv_compact={kernel_note}")
 
     # -- views ------------------------------------------------------------------------------
     @property
@@ -316,14 +362,18 @@ class Engine:
 
     def _penalty_params(self, group, B):
         """Per-row penalty parameters for a prefill; the per-slot penalty state (token counts,
-        prompt sets) is created on the device the first time a request asks for penalties."""
+        prompt sets) is created on the device the first time a request asks for penalties. A
+        preempted request prefills prompt + generated tokens: prompt_len makes the latter count as
+        output again (its penalties continue exactly)."""
         from specjax import penalties
         if self.state.penalties is None:
             if not any(r.params.has_penalties for _, r in group):
                 return None
             self.state = dataclasses.replace(self.state, penalties=penalties.init_penalty_state(
                 self.batch_opts.max_batch, self.cfg.vocab_size))
-        return penalties.penalty_params([r.params for _, r in group] + [None] * (B - len(group)))
+        pad = [None] * (B - len(group))
+        return penalties.penalty_params([r.params for _, r in group] + pad,
+                                        [len(r.prompt_ids) for _, r in group] + [0] * len(pad))
 
     def _dispatch(self, rows, masks=None) -> _Dispatched:
         """One decode / fused speculative step over rows; masks(rows, B) builds grammar masks."""

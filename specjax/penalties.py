@@ -20,7 +20,9 @@ State
 -----
 :class:`PenaltyState` holds, per slot, the prompt's token set, the output counts and the three
 parameters. :func:`set_slots` (at prefill) resets a slot; :func:`add_tokens` counts newly emitted
-tokens. The counts of a slot always include *every* token emitted so far, the newest one too: the
+tokens. A preempted request is prefilled again with its prompt *and* the tokens it had generated:
+``PenaltyParams.prompt_len`` says where its prompt ends, and the tokens after it are counted as
+output again, so the request keeps exactly the penalty state it had. The counts of a slot always include *every* token emitted so far, the newest one too: the
 token that the next plain decode step feeds, which is also the root (node 0) of the next draft tree.
 So the logits a step computes after feeding that token are penalised with the counts as they are.
 
@@ -62,6 +64,8 @@ class PenaltyParams:
     repetition: jax.Array  # [B] float32
     frequency: jax.Array  # [B] float32
     presence: jax.Array  # [B] float32
+    prompt_len: jax.Array | None = None  # [B] int32: the prefilled tokens past it are earlier output
+    #                                      (a preempted request); None: every prefilled token is prompt
 
 
 def init_penalty_state(max_slots: int, vocab_size: int) -> PenaltyState:
@@ -72,23 +76,30 @@ def init_penalty_state(max_slots: int, vocab_size: int) -> PenaltyState:
                         pres=jnp.zeros((max_slots,), jnp.float32))
 
 
-def penalty_params(params) -> PenaltyParams:
-    """Host helper: PenaltyParams from a list of SamplingParams (None rows, e.g. padding: off)."""
+def penalty_params(params, prompt_lens=None) -> PenaltyParams:
+    """Host helper: PenaltyParams from a list of SamplingParams (None rows, e.g. padding: off).
+    prompt_lens: the rows' prompt lengths when a prefill also holds generated tokens (None: all prompt)."""
     def col(name, off):
         return jnp.asarray(np.array([off if p is None else getattr(p, name) for p in params], np.float32))
+    plen = None if prompt_lens is None else jnp.asarray(np.array(prompt_lens, np.int32))
     return PenaltyParams(repetition=col("repetition_penalty", 1.0), frequency=col("frequency_penalty", 0.0),
-                         presence=col("presence_penalty", 0.0))
+                         presence=col("presence_penalty", 0.0), prompt_len=plen)
 
 
 def set_slots(state: PenaltyState, slots, tokens, lens, params: PenaltyParams | None = None) -> PenaltyState:
-    """A prefill of the rows slots [B] with prompts tokens [B, T] (right-padded, lens [B]): the
-    slot's prompt set is replaced, its output counts reset, its penalties set (None: off).
-    Rows whose slot is >= max_slots are padding (dropped)."""
+    """A prefill of the rows slots [B] with tokens [B, T] (right-padded, lens [B]): the slot's
+    prompt set becomes the first params.prompt_len[b] tokens (all lens[b] when None), its output
+    counts those of the tokens after them (none for a fresh request), its penalties are set
+    (params None: off). Rows whose slot is >= max_slots are padding (dropped)."""
     B, T = tokens.shape
     V = state.prompt_mask.shape[1]
-    valid = jnp.arange(T, dtype=jnp.int32)[None, :] < lens[:, None]
-    cols = jnp.where(valid, tokens, V)  # out of range -> dropped
-    mask = jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], cols].set(True, mode="drop")
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    plen = lens if params is None or params.prompt_len is None else jnp.minimum(params.prompt_len, lens)
+    in_prompt = t < plen[:, None]  # [B, T]
+    rows_ = jnp.arange(B)[:, None]
+    mask = jnp.zeros((B, V), bool).at[rows_, jnp.where(in_prompt, tokens, V)].set(True, mode="drop")
+    out = (t < lens[:, None]) & ~in_prompt  # generated before a preemption
+    counts = jnp.zeros((B, V), jnp.int32).at[rows_, jnp.where(out, tokens, V)].add(1, mode="drop")
 
     def put(arr, val):
         return arr.at[slots].set(val, mode="drop")
@@ -96,7 +107,7 @@ def set_slots(state: PenaltyState, slots, tokens, lens, params: PenaltyParams | 
         rep, freq, pres = 1.0, 0.0, 0.0
     else:
         rep, freq, pres = params.repetition, params.frequency, params.presence
-    return PenaltyState(prompt_mask=put(state.prompt_mask, mask), out_counts=put(state.out_counts, 0),
+    return PenaltyState(prompt_mask=put(state.prompt_mask, mask), out_counts=put(state.out_counts, counts),
                         rep=put(state.rep, rep), freq=put(state.freq, freq), pres=put(state.pres, pres))
 
 

@@ -11,6 +11,9 @@ The speculative step exists fused (`step`: verify + accept + compact + draft, on
 split (`verify` | `finish`) so that a grammar batch can compute its tree masks on the host while
 the target forward runs. `verify` donates the state and hands it back with the tree's K/V written
 (no copy of the cache); `finish` takes it with the logits and the masks.
+
+Kernel choices (specjax.kernels.Kernels, made once at engine start) are closed over like the draft
+and tree configuration: they are part of each program's static configuration.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax import decode, step as step_lib
+from specjax.kernels import Kernels
 from specjax.sampling import SamplingArrays
 
 _STATIC = ("want_logprobs", "stochastic")
@@ -93,8 +97,9 @@ def _trees(state, slots):
     return state.tree_tokens[rs], state.tree_parents[rs]
 
 
-def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, draft_params):
-    """-> (SpecPrograms, target weights, draft weights)."""
+def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, draft_params,
+                  kernels: Kernels = Kernels()):
+    """-> (SpecPrograms, target weights, draft weights). kernels: the implementations to run."""
     tw0, tunflat = _binder(target_params)
     dw0, dunflat = _binder(draft_params)
 
@@ -108,7 +113,7 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
 
     def fused(tw, dw, state, samp_all, slots, active, mask, *, want_logprobs, stochastic):
         out, state = bound(step_lib.spec_step, tw, dw, state, slots, active, _take_rows(samp_all, slots),
-                           want_logprobs=want_logprobs, stochastic=stochastic, token_mask=mask)
+                           want_logprobs=want_logprobs, stochastic=stochastic, token_mask=mask, kernels=kernels)
         return out, _trees(state, slots), state
 
     def verify(tw, state, slots, active):
@@ -121,7 +126,8 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         logits, h, aux = verified
         ver = step_lib.Verified(logits=logits, h=h, aux=aux, cache=state.cache)
         samp = _take_rows(samp_all, slots)
-        acc = step_lib.accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask=mask)
+        acc = step_lib.accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask=mask,
+                              kernels=kernels)
         new = step_lib.draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic)
         return acc.out, _trees(new, slots), new
 

@@ -6,6 +6,13 @@ host has read; `inflight[slot]` is the most that the dispatched but unread steps
 one-step-behind loop reserves pages for step t+1 before it reads step t, so it reserves for the
 upper bound lens + inflight + ahead).
 
+Capacity: a slot addresses `capacity` cache entries, max_seq_len plus `tail` rounded up to pages. A
+speculative step writes its draft tree (node i at cache index L + i, while it sits at position
+L + depth[i]) and the draft's scratch entries up to `lookahead` entries past the slot's length L, which
+can be max_seq_len - 1 when the last token of the context is generated: the engine passes
+tail = lookahead, so every entry a step writes is addressable and the output equals plain decoding up
+to the end of the context. Plain decoding writes only at L < max_seq_len (tail = 0).
+
 Preemption: when a running request cannot get the pages of its next step, the youngest running
 request (by arrival) is retracted: its slot and pages are freed and it goes back to the front of
 the queue, where it is prefilled again from its prompt plus the tokens it has generated (its
@@ -32,6 +39,11 @@ class SchedulerOptions:
     overlap: bool = True  # grammar + speculation: compute tree masks while the target forward runs
 
 
+def slot_pages(entries: int, page_size: int) -> int:
+    """Pages of one slot's page table to address `entries` cache entries."""
+    return -(-entries // page_size)
+
+
 def bucket(n: int, lo: int, hi: int) -> int:
     """The smallest lo * 2^k >= n, capped at hi when hi >= n (few distinct shapes, few programs)."""
     b = lo
@@ -42,15 +54,16 @@ def bucket(n: int, lo: int, hi: int) -> int:
 
 class Scheduler:
     def __init__(self, *, num_pages: int, page_size: int, max_seq_len: int, max_batch: int,
-                 max_prefill_tokens: int, ahead: int, advance: int):
+                 max_prefill_tokens: int, ahead: int, advance: int, tail: int = 0):
         """ahead: cache entries one step may touch past a slot's length (pages to hold);
-        advance: the most one step adds to a slot's length."""
+        advance: the most one step adds to a slot's length; tail: cache entries a slot needs past
+        max_seq_len (a speculative engine: its lookahead)."""
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.ahead, self.advance = ahead, advance
-        pages_per_slot = -(-max_seq_len // page_size)
-        self.alloc = PageAllocator(num_pages, page_size, pages_per_slot, max_batch)
-        self.capacity = pages_per_slot * page_size  # cache entries one slot can address
+        self.pages_per_slot = slot_pages(max_seq_len + tail, page_size)
+        self.alloc = PageAllocator(num_pages, page_size, self.pages_per_slot, max_batch)
+        self.capacity = self.pages_per_slot * page_size  # cache entries one slot can address
         self.queue: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_batch
         self.lens = np.zeros(max_batch, np.int64)

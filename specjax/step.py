@@ -2,7 +2,8 @@
 
     verify the stored draft tree with the target (tree-masked attention over the paged cache)
     -> accept (greedy, or recursive rejection sampling: specjax.verify)
-    -> KV compaction of the accepted path (pallas_kernels.kv_compact; trees only)
+    -> KV compaction of the accepted path (pallas_kernels.kv_compact, the implementation named by
+       the static `Kernels` the caller chose once: specjax.kernels; trees only)
     -> sequence lengths updated on the device
     -> draft extend over the accepted tokens (EAGLE: with the target's features for them)
     -> grow the next draft tree (EAGLE-2 style; topk = 1 is a chain), stored in the state.
@@ -13,6 +14,9 @@ Per slot (see specjax.drafter for the draft methods and their shift s):
   target: cache.seq_lens = L; tokens x_0 .. x_{L-1} have K/V; the tree's root (node 0) is x_L,
           the last accepted token. Tree node i sits at position L + depth[i] and is written to
           cache index L + i during verification; compaction moves the accepted path to L .. L+n-1.
+          A step writes at most lookahead(spec, info) entries past L (target and draft), so a slot
+          must address L + lookahead entries for every L it decodes at: the engine gives each slot
+          max_seq_len + lookahead entries (specjax.scheduler, "Capacity").
   draft:  draft_seq_lens = Ld = L + 1 - s committed entries. Tree growth writes the frontier
           nodes of step j (1 <= j < num_steps) as scratch entries Ld + (j-1)*topk + f; a node sees
           the committed prefix and its own ancestors' scratch entries (AttnMeta.mask_start = Ld).
@@ -42,6 +46,7 @@ from pallas_kernels.kv_compact import kv_compact
 from specjax import decode, drafter, sampling, tree as tree_lib, verify
 from specjax import penalties as pen_lib
 from specjax.drafter import DraftInfo
+from specjax.kernels import Kernels
 from specjax.kv_cache import KVCache, meta_at
 from specjax.penalties import PenaltyParams, PenaltyState
 from specjax.sampling import SamplingArrays
@@ -285,9 +290,10 @@ def verify_forward(info: DraftInfo, spec: SpecConfig, target, state: SpecState, 
 
 
 def accept(spec: SpecConfig, state: SpecState, ver: Verified, slots, active, samp, want_logprobs, stochastic,
-           token_mask=None) -> Accepted:
+           token_mask=None, kernels: Kernels = Kernels()) -> Accepted:
     """Acceptance (greedy or rejection sampling) and compaction of the accepted path.
     token_mask: optional [B, N, W] int32 grammar bitmask of the tokens allowed after each node.
+    kernels: the implementations chosen by the caller (default: the jnp references).
     With state.penalties, the logits after each node are penalised first (counts + the node's path)."""
     rs, active = _rows(state, slots, active)
     S = spec.num_steps
@@ -308,7 +314,8 @@ def accept(spec: SpecConfig, state: SpecState, ver: Verified, slots, active, sam
     cache = ver.cache
     if not spec.is_chain:  # a chain's accepted path is already in place
         with jax.named_scope("compact"):
-            cache = dataclasses.replace(cache, kv=kv_compact(cache.kv, state.cache.page_table[rs], L, acc, n))
+            kv = kv_compact(cache.kv, state.cache.page_table[rs], L, acc, n, impl=kernels.kv_compact)
+            cache = dataclasses.replace(cache, kv=kv)
     hist = jnp.zeros((S + 2,), jnp.int32).at[n].add(act)
     out = SpecOut(tokens=toks, num_accepted=n, accept_hist=hist)
     if want_logprobs:  # of the unmasked, unscaled target distribution, as plain decoding reports
@@ -350,14 +357,16 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
 
 
 def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
-              samp: SamplingArrays, want_logprobs=False, stochastic=True, token_mask=None):
+              samp: SamplingArrays, want_logprobs=False, stochastic=True, token_mask=None,
+              kernels: Kernels = Kernels()):
     """One fused speculative step for rows `slots` [B] with `active` [B] bool -> (SpecOut, state).
-    The caller must have pages for lookahead(spec, info) entries past L of every active slot."""
+    The caller must have pages for lookahead(spec, info) entries past L of every active slot.
+    kernels: static kernel choices (specjax.kernels; default: the jnp references)."""
     target, draft = _merge(tgd, tp, dgd, dp)
     with jax.named_scope("verify"):
         ver = verify_forward(info, spec, target, state, slots, active)
     with jax.named_scope("accept"):
-        acc = accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask)
+        acc = accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask, kernels)
     with jax.named_scope("draft"):
         new_state = draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic)
     return acc.out, new_state
@@ -370,9 +379,10 @@ class SpecSteps(NamedTuple):
 
 
 def compile_spec_steps(info: DraftInfo, spec: SpecConfig, target_graphdef, target_params, draft_graphdef,
-                       draft_params):
+                       draft_params, kernels: Kernels = Kernels()):
     """-> (SpecSteps, target_weights, draft_weights): weights are flat lists of arrays, graph
-    definitions and the static configs are closed over; the state (argument 2) is donated."""
+    definitions and the static configs (kernels included) are closed over; the state (argument 2)
+    is donated."""
     t_leaves, t_def = jax.tree.flatten(target_params)
     d_leaves, d_def = jax.tree.flatten(draft_params)
 
@@ -383,4 +393,5 @@ def compile_spec_steps(info: DraftInfo, spec: SpecConfig, target_graphdef, targe
         return run
 
     jit = functools.partial(jax.jit, donate_argnums=(2,), static_argnames=("want_logprobs", "stochastic"))
-    return SpecSteps(prefill=jit(bind(spec_prefill)), step=jit(bind(spec_step))), t_leaves, d_leaves
+    step_fn = bind(functools.partial(spec_step, kernels=kernels))
+    return SpecSteps(prefill=jit(bind(spec_prefill)), step=jit(step_fn)), t_leaves, d_leaves
