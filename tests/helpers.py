@@ -1,7 +1,10 @@
-"""Shared test helpers: tiny random models and a stand-in tokenizer."""
+"""Shared test helpers: tiny random models, a stand-in tokenizer, the default model (or a skip)."""
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 from specjax.config import ModelConfig
@@ -35,3 +38,21 @@ class IdTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(f"<{i}>" for i in ids)
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def default_model_or_skip():
+    """The default model's directory (ensure_default). Where it cannot be loaded (an offline machine
+    without the cached model) the test skips, except in CI (env CI=true), where it fails: a CI run
+    must not go green having checked nothing of the real model."""
+    from specjax.default_model import ensure_default
+    try:
+        return ensure_default()
+    except Exception as e:  # noqa: BLE001 - any reason the model is unavailable
+        why = f"default model unavailable: {type(e).__name__}: {e}"
+        if in_ci():
+            pytest.fail(f"CI=true: {why}", pytrace=False)
+        pytest.skip(why)

@@ -50,13 +50,10 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def tok():
-    from specjax.checkpoint import load_tokenizer
-    from specjax.default_model import ensure_default
+    from helpers import default_model_or_skip
 
-    try:
-        return load_tokenizer(ensure_default())
-    except Exception as e:  # noqa: BLE001 - offline machine without the cached model
-        pytest.skip(f"SmolLM2 tokenizer unavailable: {type(e).__name__}: {e}")
+    from specjax.checkpoint import load_tokenizer
+    return load_tokenizer(default_model_or_skip())  # CI=true: fails instead of skipping
 
 
 @pytest.fixture(scope="module")

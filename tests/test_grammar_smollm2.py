@@ -47,11 +47,8 @@ def params(i, **kw):
 
 @pytest.fixture(scope="module")
 def llm():
-    from specjax.default_model import ensure_default
-    try:
-        ensure_default()
-    except Exception as e:  # noqa: BLE001 - offline machine without the cached model
-        pytest.skip(f"SmolLM2 unavailable: {type(e).__name__}: {e}")
+    from helpers import default_model_or_skip
+    default_model_or_skip()  # CI=true: fails instead of skipping
     return LLM(dtype="float32", max_batch=2, max_seq_len=MAX_SEQ)
 
 
