@@ -1,7 +1,8 @@
 """Speculative sampling through the fused step is lossless: on a tiny-vocabulary random model the
 joint law of the first three generated tokens equals the exact law of plain sampling (computed
 by enumerating every prefix with the target), by a chi-square test; for a chain with a sampled
-draft (min(1, p/q) acceptance) and for EAGLE-2 trees (point-mass proposals)."""
+draft (min(1, p/q) acceptance), for EAGLE-2 trees (point-mass proposals) and for an EAGLE-3 chain
+(proposals over a reduced draft vocabulary, mapped to target ids through d2t)."""
 from __future__ import annotations
 
 import itertools
@@ -88,18 +89,19 @@ def _chi2_pvalue(counts, probs):
     return 0.5 * math.erfc(z / math.sqrt(2)), stat, dof
 
 
-def _spec_samples(cfg, target, draft, spec, temperature, top_p, rows=ROWS):
-    """First three tokens of `rows` independent requests (seeds 0..rows-1) under speculation."""
+def _spec_samples(cfg, target, draft, spec, temperature, top_p, rows=ROWS, info=DraftInfo("draft"), draft_cfg=None):
+    """First three tokens of `rows` independent requests (seeds 0..rows-1) under speculation.
+    draft_cfg: the config of the draft's KV layout (default: the target's)."""
     tgd, tp = nnx.split(target)
     dgd, dp = nnx.split(draft)
-    steps, tw, dw = compile_spec_steps(DraftInfo("draft"), spec, tgd, tp, dgd, dp)
+    steps, tw, dw = compile_spec_steps(info, spec, tgd, tp, dgd, dp)
     pps = MAX_SEQ // PAGE
     cache = init_cache(cfg, num_pages=1 + rows * pps, page_size=PAGE, max_slots=rows, max_seq_len=MAX_SEQ,
                        dtype=jnp.float32)
     table = jnp.asarray(1 + np.arange(rows * pps, dtype=np.int32).reshape(rows, pps))
     cache.page_table = table
-    dkv = init_cache(cfg, num_pages=1 + rows * pps, page_size=PAGE, max_slots=rows, max_seq_len=MAX_SEQ,
-                     dtype=jnp.float32).kv
+    dkv = init_cache(draft_cfg or cfg, num_pages=1 + rows * pps, page_size=PAGE, max_slots=rows,
+                     max_seq_len=MAX_SEQ, dtype=jnp.float32).kv
     state = init_spec_state(cache, dkv, spec, V)
     samp = SamplingArrays(temperature=jnp.full((rows,), temperature, jnp.float32),
                           top_p=jnp.full((rows,), top_p, jnp.float32), top_k=jnp.zeros((rows,), jnp.int32),
@@ -158,4 +160,40 @@ def test_chi2_has_power(models):
     spec = SpecConfig(method="draft", num_steps=2, topk=1)
     first3, _ = _spec_samples(cfg, target, other, spec, 1.3, 1.0)
     pval, _, _ = _chi2_pvalue(_counts(first3), _exact_law(cfg, target, 0.9, 1.0))
+    assert pval < 1e-6
+
+
+def _eagle3(cfg):
+    from test_spec_eagle import random_head
+    head, ecfg = random_head(cfg, "eagle3", seed=3, draft_vocab=V - 2, aux_layers=(0, 1, 2))
+    return head, ecfg, DraftInfo("eagle3", ecfg.aux_layers)
+
+
+def test_eagle3_sampled_chain_matches_plain_law(models):
+    """EAGLE-3 drafts from its own vocabulary (V - 2 of the V target tokens): q is mapped to target
+    ids through d2t; two target tokens have q = 0 and come only from the residual max(p - q, 0)."""
+    cfg, target, _ = models
+    head, ecfg, info = _eagle3(cfg)
+    d2t_ids = np.asarray(head.to_target_ids(jnp.arange(V - 2)))
+    assert sorted(set(d2t_ids)) != list(range(V - 2))  # the mapping is not the identity
+    spec = SpecConfig(method="eagle3", num_steps=2, topk=1)
+    first3, n_acc = _spec_samples(cfg, target, head, spec, 0.9, 0.9, info=info, draft_cfg=ecfg.layer)
+    pval, stat, dof = _chi2_pvalue(_counts(first3), _exact_law(cfg, target, 0.9, 0.9))
+    assert pval > 1e-3, (pval, stat, dof)
+    assert n_acc.mean() > 1.05  # drafts are accepted
+    assert set(np.unique(first3)) - set(d2t_ids)  # tokens outside the draft vocabulary are emitted
+
+
+def test_eagle3_chi2_has_power(models, monkeypatch):
+    """The same check rejects proposals scattered without d2t (draft id d taken as target id d)."""
+    from specjax import drafter
+    cfg, target, _ = models
+    head, ecfg, info = _eagle3(cfg)
+
+    def unmapped(info_, draft, q, vocab_size):
+        return jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., : q.shape[-1]].set(q)
+    monkeypatch.setattr(drafter, "probs_to_target", unmapped)
+    spec = SpecConfig(method="eagle3", num_steps=2, topk=1)
+    first3, _ = _spec_samples(cfg, target, head, spec, 0.9, 0.9, info=info, draft_cfg=ecfg.layer)
+    pval, _, _ = _chi2_pvalue(_counts(first3), _exact_law(cfg, target, 0.9, 0.9))
     assert pval < 1e-6

@@ -73,3 +73,27 @@ def test_smollm2_spec_equals_plain(smol, plain, kind, topk, m, page_size, batch)
     outs = _run(smol, draft, page_size, batch)
     assert [o.token_ids for o in outs] == plain
     assert all(1.0 <= o.accept_len_mean <= 4.0 for o in outs)
+
+
+END_TEXT = ("Q: What is the ocean? A: The ocean is a large body of salt water that covers most of the Earth. "
+            "It is home to many animals and plants, and it shapes the weather and climate of the whole planet.")
+
+
+def test_smollm2_tree_to_the_end_of_the_context(smol):
+    """A tree (the target drafting for itself: long accepted paths) decoding up to the last token of a
+    48-token context, where its last nodes are written past max_seq_len, equals plain decoding."""
+    cfg, module, tok, _ = smol
+    ids = tok.encode(END_TEXT, add_special_tokens=False)
+    prompts = [ids[:38], ids[:40]]
+    spec = SpecConfig(method="draft", num_steps=3, topk=4, num_draft_tokens=12)
+    outs = []
+    for draft in (None, Draft(module, cfg, DraftInfo("draft"), spec)):
+        eng = Engine(module, cfg, CacheOptions(page_size=16, max_seq_len=48),
+                     BatchOptions(max_batch=1, steps_per_call=1), jnp.float32, draft=draft)
+        reqs = [Request(i, None, p, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True), tok, (), 48, 0)
+                for i, p in enumerate(prompts)]
+        eng.run(reqs)
+        assert all(len(r.prompt_ids) + len(r.token_ids) == 48 for r in reqs)
+        outs.append(reqs)
+    assert [r.token_ids for r in outs[1]] == [r.token_ids for r in outs[0]]
+    assert all(max(r.accept_lens) == 4 for r in outs[1])  # whole paths of the tree accepted
