@@ -131,7 +131,7 @@ def _checks(backend: str, dtype, page_size: int, head_dim: int, interpret: bool,
     def pallas():
         if backend != "gpu" and not interpret:
             return f"the generic Pallas kernel lowers through Triton (GPU); backend is {backend!r}"
-        if head_dim & (head_dim - 1) or head_dim < 16:
+        if not interpret and (head_dim & (head_dim - 1) or head_dim < 16):
             return f"head_dim {head_dim} is not a power of two >= 16 (Triton blocks)"
         return kernel_common()
 
@@ -183,7 +183,7 @@ def configure(model, impl: AttnImpl):
     from specjax.models.llama import Attention
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
-    for _, m in copy.iter_modules():
+    for _, m in nnx.iter_modules(copy):
         if isinstance(m, Attention):
             m.attn_impl = impl
     return copy
