@@ -16,7 +16,7 @@ from specjax import attention, decode
 from specjax.attention import AttnImpl
 from specjax.kv_cache import init_cache
 from specjax.models.llama import Attention
-from tests.helpers import tiny_config, tiny_model
+from helpers import tiny_config, tiny_model
 
 
 def _case(rng, B=3, T=4, H=8, Hkv=2, D=64, ps=16, P=8, dtype=jnp.bfloat16, tree=False):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import paged_attention_reference
-from tests.paged_cases import assert_valid_close, make_case, poison_dead_pages
+from paged_cases import assert_valid_close, make_case, poison_dead_pages
 
 
 def _gpu_interpreter_available() -> bool:

@@ -18,7 +18,7 @@ from jax import export
 from pallas_kernels import paged_attention as pa
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.paged_attention_pallas import auto_splits, paged_attention_pallas
-from tests.paged_cases import assert_valid_close, make_case, poison_dead_pages
+from paged_cases import assert_valid_close, make_case, poison_dead_pages
 
 
 def _ref(case):
