@@ -52,6 +52,7 @@ def paged_attention_cudnn(q, kv_pages, page_table, q_start, kv_len, block_mask=N
     T = q.shape[1]
     k, v = gather_kv(kv_pages, page_table)  # [B, S, Hkv, D]
     S = k.shape[1]
+    kv_len = jnp.maximum(kv_len, 1)  # rows without keys (inactive, output unused): no fully masked row (NaN)
     if T == 1 and block_mask is None and sliding_window is None:  # decode: keys [0, kv_len)
         # a slot stepped past its last page (steps computed after a request ended are dropped)
         # must not make cuDNN read past the S gathered keys
