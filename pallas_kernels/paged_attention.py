@@ -31,7 +31,8 @@ How the kernels split the work (data flow of one call):
     row_bounds -> [B, 4] int32 (kend, diag, qpos, 0)      paged key k is visible to token t iff
                                                           k < kend and k <= diag + t (and the window)
     kernel: grid (row, KV head, query block, split)       loops over the row's live key blocks only;
-         -> o [B, Hkv, S, Rp, D] f32, lse [B, Hkv, S, Rp]  a split (flash-decoding) takes one share of them
+         -> o [B, Hkv, S, R', D] f32, lse [B, Hkv, S, R']  a split (flash-decoding) takes one share of them
+            (R' >= R rows; the padding rows are dropped)
     block_partial (block_mask given): the W masked block  -> one more (o, lse) partial, dense in jnp
          entries m .. m + W - 1 (tree nodes, W small)
     combine: softmax-weighted sum of the partials -> ungroup -> [B, T, H, D]
@@ -158,7 +159,7 @@ def group_queries(q, g: Geometry):
 
 
 def ungroup(o, g: Geometry, dtype):
-    """[B, Hkv, Rp, D] -> [B, T, H, D]."""
+    """[B, Hkv, R (or more), D] -> [B, T, H, D]."""
     o = o[:, :, : g.R].reshape(g.B, g.Hkv, g.T, g.G, g.D).transpose(0, 2, 1, 3, 4)
     return o.reshape(g.B, g.T, g.H, g.D).astype(dtype)
 
@@ -207,7 +208,7 @@ def split_range(lo, hi, block: int, s, num_splits: int):
 
 
 def block_partial(q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g: Geometry):
-    """(o [B, Hkv, 1, Rp, D] f32, lse [B, Hkv, 1, Rp]) of the W block entries m .. m + W - 1, dense."""
+    """(o [B, Hkv, 1, R, D] f32, lse [B, Hkv, 1, R]) of the W block entries m .. m + W - 1, dense."""
     W = block_mask.shape[2]
     m = (q_start if mask_start is None else mask_start).astype(jnp.int32)
     pos = m[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]  # [B, W] cache index of block entry j
@@ -230,14 +231,11 @@ def block_partial(q, kv_pages, page_table, q_start, kv_len, block_mask, mask_sta
     o = jnp.einsum("bktgw,bwkd->bktgd", p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
     o = o / jnp.where(l > 0, l, 1.0)[..., None]
     lse = jnp.where(l > 0, mx[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-    pad = g.Rp - g.R
-    o = jnp.pad(o.reshape(g.B, g.Hkv, g.R, g.D), ((0, 0), (0, 0), (0, pad), (0, 0)))
-    lse = jnp.pad(lse.reshape(g.B, g.Hkv, g.R), ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
-    return o[:, :, None], lse[:, :, None]
+    return o.reshape(g.B, g.Hkv, 1, g.R, g.D), lse.reshape(g.B, g.Hkv, 1, g.R)
 
 
 def combine(parts):
-    """Partials [(o [B, Hkv, S_i, Rp, D] f32, lse [B, Hkv, S_i, Rp])] -> [B, Hkv, Rp, D] f32: the
+    """Partials [(o [B, Hkv, S_i, R, D] f32, lse [B, Hkv, S_i, R])] -> [B, Hkv, R, D] f32: the
     softmax-weighted sum (rows that saw nothing anywhere: zeros)."""
     o = jnp.concatenate([p[0] for p in parts], axis=2)
     lse = jnp.concatenate([p[1] for p in parts], axis=2)
@@ -252,10 +250,12 @@ def combine(parts):
 
 def run_paged(paged_fn, q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g: Geometry):
     """The common driver: group queries, run paged_fn(qg, kv_pages, page_table, bounds, g) -> partials
-    (o [B, Hkv, S, Rp, D] f32, lse [B, Hkv, S, Rp]), add the dense block part, combine, ungroup."""
+    (o [B, Hkv, S, R', D] f32, lse [B, Hkv, S, R'], R' >= R rows), add the dense block part,
+    combine, ungroup."""
     qg = group_queries(q, g)
     bounds = row_bounds(q_start, kv_len, mask_start, block_mask is not None, g)
-    parts = [paged_fn(qg, kv_pages, page_table.astype(jnp.int32), bounds, g)]
+    o, lse = paged_fn(qg, kv_pages, page_table.astype(jnp.int32), bounds, g)
+    parts = [(o[:, :, :, : g.R], lse[:, :, :, : g.R])]
     if block_mask is not None:
         parts.append(block_partial(q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g))
     return ungroup(combine(parts), g, q.dtype)

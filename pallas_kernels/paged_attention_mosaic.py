@@ -1,17 +1,20 @@
 """Paged attention as a Mosaic GPU kernel (Hopper: TMA page copies into swizzled SMEM, wgmma).
 
 Same contract as `paged_attention_reference` (pallas_kernels/paged_attention.py, where the data
-flow of all the kernels is written). One CTA (one warpgroup) per (row b, KV head h, query block,
-split s), grid (B, Hkv, query blocks * splits):
+flow of all the kernels is written). One CTA (one warpgroup) per (row b, KV head h, split s, query
+block), grid (B, Hkv, splits * query blocks); the query blocks of one split are neighbours, so a
+page one of them reads is in L2 for the others:
 
-    TMA  q block [64, D] of head h (rows t * G + g; wgmma's M is 64, padding rows are masked)
+    TMA  q block [BQ, D] of head h (rows t * G + g; BQ = 64, wgmma's M, or 128 when a KV head has
+         more than 64 query rows, e.g. a 17-node tree with G = 4: one CTA reads each page once)
     for each key block j of the split (BK = 64 keys = BK / ps pages), `stages` blocks in flight:
         TMA  the K and V page slabs kv[page, :, 0 | 1, h, :] ([ps, D] each) into slot j % stages
         wgmma  s = q k^T          [64, BK] f32 in registers; scaled, masked (row_bounds)
         online softmax (m, l), p in bf16
         wgmma  acc += p v         [64, D] f32
         slot free -> TMA block j + stages into it
-    o = acc / l, lse = m + log l  -> SMEM -> TMA to the partials of split s
+    o = acc / l, lse = m + log l  -> SMEM -> TMA to the partials of split s (only the real rows
+                                     when one block holds them all: decode writes G rows, not 64)
 
 Requirements (checked by `why_not_mosaic`): bf16 / f16; page size a multiple of 8 (TMA rows land
 on whole 8-row SMEM tiles) dividing 64 or a multiple of 64; head_dim a multiple of 64 (128-byte
@@ -30,7 +33,8 @@ from pallas_kernels.paged_attention import NEG, Geometry, geometry, key_range, r
 
 __all__ = ["paged_attention_mosaic", "why_not_mosaic"]
 
-BLOCK_Q = 64  # wgmma M
+BLOCK_QS = (64, 128)  # wgmma M is 64; a warpgroup issues two of them for 128 rows
+MAX_SPLITS = 32
 
 
 def _plgpu():
@@ -54,17 +58,23 @@ def _block_kv(ps: int) -> int:
     return max(64, ps)
 
 
+def _out_rows(g: Geometry) -> int:
+    """Rows of the partial outputs: all padded rows, or (one query block) the real rows rounded to 8
+    (32-byte TMA rows of the f32 lse)."""
+    return g.Rp if g.num_q_blocks > 1 else -(-g.R // 8) * 8
+
+
 def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, bounds_ref, pt_ref, q_ref, kv_ref, o_ref, lse_ref, scratch):
     """bounds_ref [B, 4], pt_ref [B, P] int32, q_ref [B, Hkv, Rp, D], kv_ref [N, ps, 2, Hkv, D]
-    (GMEM); o_ref [B, Hkv, S, Rp, D] f32, lse_ref [B, Hkv, S, Rp] f32 (GMEM)."""
+    (GMEM); o_ref [B, Hkv, S, R', D] f32, lse_ref [B, Hkv, S, R'] f32 (GMEM; R' = _out_rows)."""
     plgpu = _plgpu()
     q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar = scratch
-    BQ, BK, ps = BLOCK_Q, _block_kv(g.ps), g.ps
+    BQ, BK, ps = g.block_q, _block_kv(g.ps), g.ps
     ppb = BK // ps  # pages per key block
     b = lax.axis_index("row")
     h = lax.axis_index("head")
     qs = lax.axis_index("qs")
-    qb, s = lax.div(qs, S), lax.rem(qs, S)
+    s, qb = lax.div(qs, g.num_q_blocks), lax.rem(qs, g.num_q_blocks)
     kend, diag, qpos = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
     r0 = qb * BQ
     t_lo = lax.div(r0, g.G)
@@ -153,8 +163,9 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, bounds_ref, 
     o_smem[...] = acc / lax.broadcast_in_dim(safe, acc.shape, [0])
     lse_smem[...] = jnp.where(live, m + jnp.log(safe), -jnp.inf)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, s, pl.ds(r0, BQ)])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, s, pl.ds(r0, BQ)])
+    n = min(BQ, _out_rows(g))  # static: a whole block, or the real rows of the only one
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, n)], o_ref.at[b, h, s, pl.ds(r0, n)])
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, n)], lse_ref.at[b, h, s, pl.ds(r0, n)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -169,17 +180,18 @@ def _interpret_params():
 
 def auto_splits(g: Geometry, target_ctas: int = 264) -> int:
     """Splits of each row's key range so that about target_ctas CTAs run (2 per SM on an H100 /
-    H200: 112 KiB of SMEM each at 2 stages); never more than the capacity's key blocks."""
+    H200: 112 KiB of SMEM each at 2 stages and 64 query rows), at most MAX_SPLITS. Independent of
+    the capacity: a split beyond a row's live blocks exits at once, and the partials written do
+    not grow with max_seq_len."""
     ctas = g.B * g.Hkv * g.num_q_blocks
-    want = -(-target_ctas // max(ctas, 1))
-    return int(max(1, min(want, -(-g.capacity // _block_kv(g.ps)))))
+    return int(max(1, min(-(-target_ctas // max(ctas, 1)), MAX_SPLITS)))
 
 
 def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages: int, interpret: bool):
     plgpu = _plgpu()
     dtype = qg.dtype
     S = num_splits or auto_splits(g)
-    BQ, BK = BLOCK_Q, _block_kv(g.ps)
+    BQ, BK = g.block_q, _block_kv(g.ps)
     swz = 128
     tr = (plgpu.TilingTransform((8, swz // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swz))
     scratch = [
@@ -200,8 +212,8 @@ def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages:
     kw = {} if not interpret else {"interpret": _interpret_params()}
     o, lse = pl.kernel(
         entry,
-        out_type=[jax.ShapeDtypeStruct((g.B, g.Hkv, S, g.Rp, g.D), jnp.float32),
-                  jax.ShapeDtypeStruct((g.B, g.Hkv, S, g.Rp), jnp.float32)],
+        out_type=[jax.ShapeDtypeStruct((g.B, g.Hkv, S, _out_rows(g), g.D), jnp.float32),
+                  jax.ShapeDtypeStruct((g.B, g.Hkv, S, _out_rows(g)), jnp.float32)],
         mesh=plgpu.Mesh(grid=(g.B, g.Hkv, g.num_q_blocks * S), grid_names=("row", "head", "qs")),
         name="paged_attention_mosaic",
         **kw,
@@ -214,15 +226,18 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
                            block_q: int | None = None, block_kv: int | None = None, interpret: bool = False):
     """Same contract as `paged_attention_reference`, as a Mosaic GPU kernel (Hopper) that reads
     only the live key blocks of each row. num_splits: splits of each row's key range (None: about
-    two CTAs per SM, see auto_splits); stages: key blocks in flight per CTA; interpret: run in the
-    Mosaic GPU interpreter on CPU (slow; for tests). block_q / block_kv are fixed by wgmma (64) and
-    the page size (max(64, page_size)); other values are an error."""
+    two CTAs per SM, see auto_splits); stages: key blocks in flight per CTA; block_q: 64 or 128
+    query rows per CTA (None: 64, or 128 when a KV head has more than 64 rows); block_kv is
+    max(64, page_size) (other values are an error); interpret: run in the Mosaic GPU interpreter
+    on CPU (slow; for tests)."""
     why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
     if why is not None:
         raise ValueError(f"paged_attention_mosaic: {why}")
-    if block_q not in (None, BLOCK_Q) or block_kv not in (None, _block_kv(kv_pages.shape[1])):
-        raise ValueError(f"paged_attention_mosaic: block_q is {BLOCK_Q} and block_kv max(64, page_size); "
+    if block_q not in (None,) + BLOCK_QS or block_kv not in (None, _block_kv(kv_pages.shape[1])):
+        raise ValueError(f"paged_attention_mosaic: block_q is one of {BLOCK_QS} and block_kv max(64, page_size); "
                          f"got block_q={block_q}, block_kv={block_kv}")
-    g = geometry(q, kv_pages, page_table, BLOCK_Q, sliding_window, scale)
+    if block_q is None:
+        block_q = 64 if q.shape[1] * (q.shape[2] // kv_pages.shape[3]) <= 64 else 128
+    g = geometry(q, kv_pages, page_table, block_q, sliding_window, scale)
     fn = functools.partial(_paged, num_splits=num_splits, stages=stages, interpret=interpret)
     return run_paged(fn, q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g)

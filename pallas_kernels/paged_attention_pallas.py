@@ -68,12 +68,15 @@ def _kernel(g: Geometry, BK: int, S: int, prec, bounds_ref, pt_ref, q_ref, kv_re
     lse_ref[...] = jnp.where(live, m + jnp.log(safe), -jnp.inf)[:, 0]
 
 
-def auto_splits(g: Geometry, block_kv: int, target_programs: int = 264) -> int:
+MAX_SPLITS = 32
+
+
+def auto_splits(g: Geometry, target_programs: int = 264) -> int:
     """Splits of each row's key range so that about target_programs programs run (2 per SM on an
-    H100/H200); never more splits than key blocks of the capacity."""
+    H100 / H200), at most MAX_SPLITS; independent of the capacity (a split past a row's live
+    blocks ends at once)."""
     programs = g.B * g.Hkv * g.num_q_blocks
-    want = -(-target_programs // max(programs, 1))
-    return int(max(1, min(want, -(-g.capacity // block_kv))))
+    return int(max(1, min(-(-target_programs // max(programs, 1)), MAX_SPLITS)))
 
 
 def _triton_params():
@@ -87,7 +90,7 @@ def _triton_params():
 def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, block_kv: int, num_splits, interpret: bool):
     N = kv_pages.shape[0]
     flat = kv_pages.reshape(N * g.ps, 2, g.Hkv, g.D)
-    S = num_splits or auto_splits(g, block_kv)
+    S = num_splits or auto_splits(g)
     BQ = g.block_q
 
     def whole(x):

@@ -42,19 +42,19 @@ def _run(fn, case, **kw):
         *case.args, **case.kwargs)
 
 
-MOSAIC_CASES = [  # (mode, page_size, num_splits, seed); bf16, head_dim 64 (the kernel's minimum)
-    ("decode", 16, 3, 0),
-    ("verify", 8, 1, 1),
-    ("grow", 16, 2, 2),
+MOSAIC_CASES = [  # (mode, page_size, num_splits, T, H, seed); bf16, head_dim 64 (the kernel's minimum)
+    ("decode", 16, 3, 1, 4, 0),
+    ("verify", 8, 1, 17, 8, 1),  # 17 nodes x 4 query heads per KV head = 68 rows: one 128-row block
+    ("grow", 16, 2, 3, 4, 2),
 ]
 
 
 @needs_gpu_interpreter
-@pytest.mark.parametrize("mode,page_size,num_splits,seed", MOSAIC_CASES)
-def test_mosaic_interpreted_matches_reference(mode, page_size, num_splits, seed):
+@pytest.mark.parametrize("mode,page_size,num_splits,T,H,seed", MOSAIC_CASES)
+def test_mosaic_interpreted_matches_reference(mode, page_size, num_splits, T, H, seed):
     from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
-    case = make_case(np.random.default_rng(seed), mode, page_size=page_size, B=3, D=64, dtype=jnp.bfloat16,
-                     P=20 if mode == "decode" else None)
+    case = make_case(np.random.default_rng(seed), mode, page_size=page_size, B=3, T=T, H=H, D=64,
+                     dtype=jnp.bfloat16, P=20 if mode == "decode" else None)
     want = _ref(case)
     if mode == "decode":  # pages outside the live 64-key blocks must not be read
         case = poison_dead_pages(case, block=64)

@@ -89,10 +89,14 @@ def test_combine_is_exact_softmax_over_partials():
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_auto_splits_fill_the_gpu_but_never_exceed_the_blocks():
-    g = pa.Geometry(B=1, T=1, H=32, Hkv=8, D=128, P=64, ps=16, block_q=16, window=None, scale=1.0)
-    assert auto_splits(g, 64) == 16  # 264 programs / 8 heads = 33 splits, capped by the 1024 / 64 key blocks
-    assert auto_splits(pa.Geometry(**{**g.__dict__, "B": 64}), 64) == 1
+def test_auto_splits_fill_the_gpu_and_ignore_the_capacity():
+    from pallas_kernels import paged_attention_mosaic as pam
+    g = pa.Geometry(B=1, T=1, H=32, Hkv=8, D=128, P=64, ps=16, block_q=64, window=None, scale=1.0)
+    for split in (auto_splits, pam.auto_splits):
+        assert split(g) == 32  # 264 programs / 8 heads = 33, at most 32
+        assert split(pa.Geometry(**{**g.__dict__, "P": 512})) == 32  # the capacity does not matter
+        assert split(pa.Geometry(**{**g.__dict__, "B": 4})) == 9
+        assert split(pa.Geometry(**{**g.__dict__, "B": 64})) == 1
 
 
 def _sds(shape, dtype):
