@@ -188,12 +188,16 @@ def key_range(bounds_b, t_lo, t_hi, window):
     return lo, jnp.maximum(hi, lo)
 
 
-def visible(kidx, t, bounds_b, window):
-    """Kernel-side mask of keys kidx [1, BK] for tokens t [BR, 1]."""
+def visible(kidx, row, bounds_b, G: int, window):
+    """Kernel-side mask of keys kidx [1, BK] (or [BQ, BK]) for query rows row = t * G + g [BQ, 1]
+    (or [BQ, BK]). Division-free (Mosaic GPU register arrays have no integer division): for r >= 0,
+    x <= floor(r / G) <=> x * G <= r and floor(r / G) < y <=> r < y * G, so
+        k <= diag + t            <=> (k - diag) * G <= r
+        qpos + t - k < window    <=> r < (k - qpos + window) * G."""
     kend, diag, qpos = bounds_b
-    ok = (kidx < kend) & (kidx <= diag + t)
+    ok = (kidx < kend) & ((kidx - diag) * G <= row)
     if window is not None:
-        ok &= (qpos + t - kidx) < window
+        ok = ok & (row < (kidx - qpos + window) * G)
     return ok
 
 

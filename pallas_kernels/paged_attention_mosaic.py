@@ -18,7 +18,7 @@ page one of them reads is in L2 for the others:
 
 Requirements (checked by `why_not_mosaic`): bf16 / f16; page size a multiple of 8 (TMA rows land
 on whole 8-row SMEM tiles) dividing 64 or a multiple of 64; head_dim a multiple of 64 (128-byte
-swizzle). Masks never need a division: with r = t * G + g, "k - diag <= t" is "(k - diag) * G <= r".
+swizzle). Masks never need a division (`visible` in paged_attention.py).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.paged_attention import NEG, Geometry, geometry, key_range, run_paged, split_range
+from pallas_kernels.paged_attention import NEG, Geometry, geometry, key_range, run_paged, split_range, visible
 
 __all__ = ["paged_attention_mosaic", "why_not_mosaic"]
 
@@ -127,10 +127,7 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, bounds_ref, 
         else:
             sc = pl.run_scoped(qk, plgpu.ACC((BQ, BK), jnp.float32))
         sc = sc * g.scale
-        kidx = col + j * BK
-        ok = (kidx < kend) & ((kidx - diag) * g.G <= row)
-        if g.window is not None:
-            ok = ok & ((kidx - qpos + (g.window - 1)) * g.G <= row)
+        ok = visible(col + j * BK, row, (kend, diag, qpos), g.G, g.window)
         sc = jnp.where(ok, sc, NEG)
         m_new = jnp.maximum(m, sc.max(axis=1))
         p = jnp.where(ok, jnp.exp(sc - lax.broadcast_in_dim(m_new, sc.shape, [0])), 0.0)

@@ -32,8 +32,7 @@ def _kernel(g: Geometry, BK: int, S: int, prec, bounds_ref, pt_ref, q_ref, kv_re
     b, h, qb, s = (pl.program_id(i) for i in range(4))
     BQ = g.block_q
     bnd = (bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2])
-    r = qb * BQ + jax.lax.broadcasted_iota(jnp.int32, (BQ, 1), 0)
-    t = r // g.G  # [BQ, 1] token of each query row
+    r = qb * BQ + jax.lax.broadcasted_iota(jnp.int32, (BQ, 1), 0)  # [BQ, 1] query row t * G + g
     t_lo = jax.lax.div(qb * BQ, g.G)
     t_hi = jnp.minimum(jax.lax.div(qb * BQ + BQ - 1, g.G), g.T - 1)
     lo, hi = key_range(bnd, t_lo, t_hi, g.window)
@@ -50,7 +49,7 @@ def _kernel(g: Geometry, BK: int, S: int, prec, bounds_ref, pt_ref, q_ref, kv_re
         v = kv_ref[rows, 1, h, :]
         sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                                  preferred_element_type=jnp.float32) * g.scale  # [BQ, BK]
-        ok = visible(kidx, t, bnd, g.window)
+        ok = visible(kidx, r, bnd, g.G, g.window)
         sc = jnp.where(ok, sc, NEG)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
         p = jnp.where(ok, jnp.exp(sc - m_new), 0.0)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.paged_attention import NEG, Geometry, geometry, key_range, run_paged, split_range
+from pallas_kernels.paged_attention import NEG, Geometry, geometry, key_range, run_paged, split_range, visible
 
 __all__ = ["paged_attention_tpu", "why_not_tpu"]
 
@@ -105,10 +105,7 @@ def _kernel(g: Geometry, prec, bounds_ref, pt_ref, q_ref, kv_hbm, o_ref, lse_ref
         v = v_buf[slot]
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                              preferred_element_type=jnp.float32) * g.scale  # [BQ, BK]
-        kidx = col + j * BK
-        ok = (kidx < kend) & ((kidx - diag) * g.G <= row)
-        if g.window is not None:
-            ok &= (kidx - qpos + (g.window - 1)) * g.G <= row
+        ok = visible(col + j * BK, row, (kend, diag, qpos), g.G, g.window)
         sc = jnp.where(ok, sc, NEG)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
         p = jnp.where(ok, jnp.exp(sc - m_new), 0.0)

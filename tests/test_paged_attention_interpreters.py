@@ -1,7 +1,7 @@
 """The Mosaic GPU and Mosaic TPU paged-attention kernels in their CPU interpreters against the jnp
 reference (bf16 within tolerance, f32 tight): ragged and empty rows, decode with several splits,
-tree verify, draft growth, chunked prefill at an offset, and that they read no page outside the
-rows' live key blocks. The interpreters are slow: few, small cases.
+tree verify (a 128-row query block), draft growth, chunked prefill at an offset, sliding windows,
+and that they read no page outside the rows' live key blocks. The interpreters are slow: few, small cases.
 
 What the Mosaic GPU interpreter checks: the TMA page gathers into the SMEM slots, the barriers and
 the multi-stage pipeline, bounds, splits, masks and the online softmax. Its wgmma takes neither a
@@ -42,19 +42,19 @@ def _run(fn, case, **kw):
         *case.args, **case.kwargs)
 
 
-MOSAIC_CASES = [  # (mode, page_size, num_splits, T, H, seed); bf16, head_dim 64 (the kernel's minimum)
-    ("decode", 16, 3, 1, 4, 0),
-    ("verify", 8, 1, 17, 8, 1),  # 17 nodes x 4 query heads per KV head = 68 rows: one 128-row block
-    ("grow", 16, 2, 3, 4, 2),
+MOSAIC_CASES = [  # (mode, page_size, num_splits, T, H, window, seed); bf16, head_dim 64 (the kernel's minimum)
+    ("decode", 16, 3, 1, 4, None, 0),
+    ("verify", 8, 1, 17, 8, None, 1),  # 17 nodes x 4 query heads per KV head = 68 rows: one 128-row block
+    ("grow", 16, 2, 3, 4, 21, 2),  # with a sliding window
 ]
 
 
 @needs_gpu_interpreter
-@pytest.mark.parametrize("mode,page_size,num_splits,T,H,seed", MOSAIC_CASES)
-def test_mosaic_interpreted_matches_reference(mode, page_size, num_splits, T, H, seed):
+@pytest.mark.parametrize("mode,page_size,num_splits,T,H,window,seed", MOSAIC_CASES)
+def test_mosaic_interpreted_matches_reference(mode, page_size, num_splits, T, H, window, seed):
     from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
     case = make_case(np.random.default_rng(seed), mode, page_size=page_size, B=3, T=T, H=H, D=64,
-                     dtype=jnp.bfloat16, P=20 if mode == "decode" else None)
+                     dtype=jnp.bfloat16, P=20 if mode == "decode" else None, window=window)
     want = _ref(case)
     if mode == "decode":  # pages outside the live 64-key blocks must not be read
         case = poison_dead_pages(case, block=64)
@@ -64,17 +64,17 @@ def test_mosaic_interpreted_matches_reference(mode, page_size, num_splits, T, H,
     assert_valid_close(got, want, case.num_new, atol=3e-2)
 
 
-TPU_CASES = [  # (mode, page_size, dtype, seed); head_dim 128 (full lanes)
-    ("prefill", 16, jnp.bfloat16, 3),
-    ("grow", 8, jnp.float32, 4),
+TPU_CASES = [  # (mode, page_size, dtype, window, seed); head_dim 128 (full lanes)
+    ("prefill", 16, jnp.bfloat16, 6, 3),  # with a sliding window
+    ("grow", 8, jnp.float32, None, 4),
 ]
 
 
-@pytest.mark.parametrize("mode,page_size,dtype,seed", TPU_CASES)
-def test_tpu_interpreted_matches_reference(mode, page_size, dtype, seed):
+@pytest.mark.parametrize("mode,page_size,dtype,window,seed", TPU_CASES)
+def test_tpu_interpreted_matches_reference(mode, page_size, dtype, window, seed):
     from pallas_kernels.paged_attention_tpu import paged_attention_tpu
     case = make_case(np.random.default_rng(seed), mode, page_size=page_size, B=3, D=128, dtype=dtype,
-                     T=5 if mode == "prefill" else None, P=40 if mode == "grow" else None)
+                     T=5 if mode == "prefill" else None, P=40 if mode == "grow" else None, window=window)
     want = _ref(case)
     if mode == "grow":  # pages outside the live 128-key blocks must not be read
         case = poison_dead_pages(case, block=128)

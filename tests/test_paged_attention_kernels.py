@@ -118,14 +118,15 @@ def test_pallas_lowers_for_triton(dtype, T, tree):
     assert "xla.gpu.triton" in exp(*_engine_shapes(dtype, T, tree)).mlir_module()
 
 
-@pytest.mark.parametrize("T,tree", [(1, False), (17, True), (300, False)])
-def test_mosaic_lowers_for_cuda(T, tree):
-    """The Mosaic GPU kernel's lowering (TMA page copies into swizzled SMEM, wgmma, barriers) for
-    CUDA: decode, tree verify, prefill; compiling to a cubin and running need a GPU."""
+@pytest.mark.parametrize("T,tree,window", [(1, False, None), (17, True, None), (300, False, 64)])
+def test_mosaic_lowers_for_cuda(T, tree, window):
+    """The Mosaic GPU kernel's lowering (TMA page copies into swizzled SMEM, wgmma with 64 and 128
+    rows, barriers, masks) for CUDA: decode, tree verify, prefill with a sliding window; compiling
+    to a cubin and running need a GPU."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
-    text = export.export(jax.jit(paged_attention_mosaic), platforms=("cuda",))(
-        *_engine_shapes(jnp.bfloat16, T, tree)).mlir_module()
+    fn = functools.partial(paged_attention_mosaic, sliding_window=window)
+    text = export.export(jax.jit(fn), platforms=("cuda",))(*_engine_shapes(jnp.bfloat16, T, tree)).mlir_module()
     assert "mosaic_gpu" in text
 
 
