@@ -1,21 +1,53 @@
-"""Attention of new query tokens over a paged KV cache.
+"""Attention of new query tokens over a paged KV cache: the contract, the jnp reference and the
+plumbing shared by the kernels that read only live pages.
 
-`paged_attention_reference` is the pure-jnp definition; a Pallas kernel with the same
-signature can be registered in `specjax.attention` (the one dispatch point).
+`paged_attention_reference` is the pure-jnp definition (it gathers every page of every row: its
+cost grows with the capacity); the kernels have the same signature and read only the pages a row's
+queries can see (`specjax.attention` is the one dispatch point):
+
+  * `paged_attention_pallas` (pallas_kernels/paged_attention_pallas.py): generic `pallas_call`
+    (Triton on GPU, the Pallas interpreter on CPU);
+  * `paged_attention_mosaic` (pallas_kernels/paged_attention_mosaic.py): Mosaic GPU (Hopper: TMA
+    page copies into swizzled SMEM, wgmma);
+  * `paged_attention_tpu` (pallas_kernels/paged_attention_tpu.py): Mosaic TPU (scalar-prefetched
+    page table, double-buffered page DMAs into VMEM).
 
 Visibility rule (cache index k, row b, new token i; m = mask_start[b], q_start[b] when None):
   k < m                                           -> visible (prefix)
   m <= k < m + W                                  -> block_mask[b, i, k - m]   (block_mask [B, T, W])
-                                                     (causal k - q_start[b] <= i when block_mask is None)
+                                                     (causal k - m <= i when block_mask is None)
   k >= kv_len[b]                                  -> never
-  sliding_window w                                -> additionally q_start[b] + i - k < w
+  sliding window w                                -> additionally q_start[b] + i - k < w
 A draft tree grown step by step uses mask_start < q_start: the new nodes see the committed prefix
 and, of the tree entries written by earlier steps, only their own ancestors.
+Queries that see no key (padding tokens, empty rows) have an unspecified output (the reference
+averages every value; the kernels return zeros).
+
+How the kernels split the work (data flow of one call):
+
+    q [B, T, H, D] -> group_queries -> [B, Hkv, Rp, D]    rows r = t * G + g (G = H // Hkv query heads
+                                                          per KV head: each KV page is read once for all
+                                                          G heads and all T tokens of a row)
+    row_bounds -> [B, 4] int32 (kend, diag, qpos, 0)      paged key k is visible to token t iff
+                                                          k < kend and k <= diag + t (and the window)
+    kernel: grid (row, KV head, query block, split)       loops over the row's live key blocks only;
+         -> o [B, Hkv, S, R', D] f32, lse [B, Hkv, S, R']  a split (flash-decoding) takes one share of them
+            (R' >= R rows; the padding rows are dropped)
+    block_partial (block_mask given): the W masked block  -> one more (o, lse) partial, dense in jnp
+         entries m .. m + W - 1 (tree nodes, W small)
+    combine: softmax-weighted sum of the partials -> ungroup -> [B, T, H, D]
+
+With a block mask the pages cover only the prefix k < m (every prefix entry is visible to every
+query), so the kernels never gather a mask; the tree part is W <= a few dozen entries per row.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
+NEG = -1e30  # masked score (finite: an all-masked block must not produce NaN)
 
 
 def visibility_mask(q_start, kv_len, S: int, T: int, block_mask=None, sliding_window=None, mask_start=None):
@@ -46,6 +78,10 @@ def gather_kv(kv_pages, page_table):
     return kv[:, :, 0], kv[:, :, 1]
 
 
+def _precision(dtype):
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # no TF32 for f32 on GPU
+
+
 def paged_attention_reference(q, kv_pages, page_table, q_start, kv_len, block_mask=None,
                               *, sliding_window=None, scale=None, mask_start=None):
     """q: [B, T, H, D]; kv_pages: [N, page_size, 2, Hkv, D] (K then V); page_table: [B, P] int32;
@@ -58,10 +94,172 @@ def paged_attention_reference(q, kv_pages, page_table, q_start, kv_len, block_ma
     k, v = gather_kv(kv_pages, page_table)  # [B, S, Hkv, D]
     S = k.shape[1]
     qg = q.reshape(B, T, Hkv, G, D)
-    prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32 for f32 on GPU
+    prec = _precision(q.dtype)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=prec, preferred_element_type=jnp.float32) * scale
     mask = visibility_mask(q_start, kv_len, S, T, block_mask, sliding_window, mask_start)  # [B, T, S]
-    s = jnp.where(mask[:, None, None], s, -1e30)
+    s = jnp.where(mask[:, None, None], s, NEG)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
     return o.reshape(B, T, H, D).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- shared by the kernels
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static facts of one call that every kernel needs."""
+    B: int  # rows
+    T: int  # new tokens per row
+    H: int  # query heads
+    Hkv: int  # KV heads
+    D: int  # head dim
+    P: int  # page-table columns per row
+    ps: int  # page size
+    block_q: int  # query rows (t * G + g) per program
+    window: int | None  # sliding window (None: off)
+    scale: float
+
+    @property
+    def G(self) -> int:
+        return self.H // self.Hkv
+
+    @property
+    def R(self) -> int:  # query rows per (row, KV head)
+        return self.T * self.G
+
+    @property
+    def num_q_blocks(self) -> int:
+        return -(-self.R // self.block_q)
+
+    @property
+    def Rp(self) -> int:  # rows padded to whole query blocks
+        return self.num_q_blocks * self.block_q
+
+    @property
+    def capacity(self) -> int:
+        return self.P * self.ps
+
+
+def geometry(q, kv_pages, page_table, block_q: int, sliding_window, scale) -> Geometry:
+    B, T, H, D = q.shape
+    N, ps, two, Hkv, Dk = kv_pages.shape
+    if two != 2 or Dk != D or H % Hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit kv_pages {tuple(kv_pages.shape)} "
+                         "([N, page_size, 2, Hkv, D] with H a multiple of Hkv)")
+    if page_table.ndim != 2 or page_table.shape[0] != B:
+        raise ValueError(f"page_table must be [B={B}, P], got {tuple(page_table.shape)}")
+    return Geometry(B=B, T=T, H=H, Hkv=Hkv, D=D, P=page_table.shape[1], ps=ps, block_q=block_q,
+                    window=sliding_window, scale=float(D ** -0.5 if scale is None else scale))
+
+
+def group_queries(q, g: Geometry):
+    """q [B, T, H, D] -> [B, Hkv, Rp, D]: the T * G query rows of each KV head, t-major, zero padded."""
+    x = q.reshape(g.B, g.T, g.Hkv, g.G, g.D).transpose(0, 2, 1, 3, 4).reshape(g.B, g.Hkv, g.R, g.D)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, g.Rp - g.R), (0, 0)))
+
+
+def ungroup(o, g: Geometry, dtype):
+    """[B, Hkv, R (or more), D] -> [B, T, H, D]."""
+    o = o[:, :, : g.R].reshape(g.B, g.Hkv, g.T, g.G, g.D).transpose(0, 2, 1, 3, 4)
+    return o.reshape(g.B, g.T, g.H, g.D).astype(dtype)
+
+
+def row_bounds(q_start, kv_len, mask_start, has_block: bool, g: Geometry):
+    """[B, 4] int32 (kend, diag, qpos, 0): paged key k is visible to token t iff k < kend,
+    k <= diag + t and (window) qpos + t - k < window. With a block mask the pages cover only the
+    prefix below m (the block entries go through block_partial)."""
+    q_start = q_start.astype(jnp.int32)
+    m = q_start if mask_start is None else mask_start.astype(jnp.int32)
+    kend = jnp.clip(kv_len.astype(jnp.int32), 0, g.capacity)
+    if has_block:
+        kend = jnp.minimum(kend, jnp.maximum(m, 0))
+        diag = jnp.full_like(kend, g.capacity)  # every prefix key is visible to every token
+    else:
+        diag = m
+    return jnp.stack([kend, diag, q_start, jnp.zeros_like(kend)], axis=1)
+
+
+def key_range(bounds_b, t_lo, t_hi, window):
+    """[lo, hi) of the keys a query block (tokens t_lo..t_hi) of one row can see; scalars inside a
+    kernel. bounds_b = (kend, diag, qpos)."""
+    kend, diag, qpos = bounds_b
+    hi = jnp.minimum(kend, diag + t_hi + 1)
+    lo = jnp.int32(0) if window is None else jnp.maximum(qpos + t_lo - window + 1, 0)
+    return lo, jnp.maximum(hi, lo)
+
+
+def visible(kidx, row, bounds_b, G: int, window):
+    """Kernel-side mask of keys kidx [1, BK] (or [BQ, BK]) for query rows row = t * G + g [BQ, 1]
+    (or [BQ, BK]). Division-free (Mosaic GPU register arrays have no integer division): for r >= 0,
+    x <= floor(r / G) <=> x * G <= r and floor(r / G) < y <=> r < y * G, so
+        k <= diag + t            <=> (k - diag) * G <= r
+        qpos + t - k < window    <=> r < (k - qpos + window) * G."""
+    kend, diag, qpos = bounds_b
+    ok = (kidx < kend) & ((kidx - diag) * G <= row)
+    if window is not None:
+        ok = ok & (row < (kidx - qpos + window) * G)
+    return ok
+
+
+def split_range(lo, hi, block: int, s, num_splits: int):
+    """Key blocks [j0, j1) of split s when the blocks covering keys [lo, hi) are shared evenly."""
+    div = jax.lax.div  # operands are >= 0: truncation == floor (and no sign op for Mosaic TPU)
+    jlo = div(lo, block)
+    n = jnp.maximum(div(hi + block - 1, block) - jlo, 0)
+    per = div(n + num_splits - 1, num_splits)
+    j0 = jlo + s * per
+    return j0, jnp.minimum(jlo + n, j0 + per)
+
+
+def block_partial(q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g: Geometry):
+    """(o [B, Hkv, 1, R, D] f32, lse [B, Hkv, 1, R]) of the W block entries m .. m + W - 1, dense."""
+    W = block_mask.shape[2]
+    m = (q_start if mask_start is None else mask_start).astype(jnp.int32)
+    pos = m[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]  # [B, W] cache index of block entry j
+    col = jnp.clip(pos // g.ps, 0, g.P - 1)
+    page = jnp.take_along_axis(page_table, col, axis=1)
+    kv = kv_pages[page, pos % g.ps]  # [B, W, 2, Hkv, D]
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    t = jnp.arange(g.T, dtype=jnp.int32)[None, :, None]
+    vis = block_mask.astype(bool) & ((pos < kv_len[:, None]) & (pos < g.capacity))[:, None, :]  # [B, T, W]
+    if g.window is not None:
+        vis &= (q_start[:, None, None] + t - pos[:, None, :]) < g.window
+    prec = _precision(q.dtype)
+    qg = q.reshape(g.B, g.T, g.Hkv, g.G, g.D)
+    s = jnp.einsum("btkgd,bwkd->bktgw", qg, k, precision=prec, preferred_element_type=jnp.float32) * g.scale
+    vis = vis[:, None, :, None, :]  # [B, 1, T, 1, W]
+    s = jnp.where(vis, s, NEG)
+    mx = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(vis, jnp.exp(s - mx), 0.0)
+    l = jnp.sum(p, axis=-1)  # [B, Hkv, T, G]
+    o = jnp.einsum("bktgw,bwkd->bktgd", p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
+    o = o / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.where(l > 0, mx[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return o.reshape(g.B, g.Hkv, 1, g.R, g.D), lse.reshape(g.B, g.Hkv, 1, g.R)
+
+
+def combine(parts):
+    """Partials [(o [B, Hkv, S_i, R, D] f32, lse [B, Hkv, S_i, R])] -> [B, Hkv, R, D] f32: the
+    softmax-weighted sum (rows that saw nothing anywhere: zeros)."""
+    o = jnp.concatenate([p[0] for p in parts], axis=2)
+    lse = jnp.concatenate([p[1] for p in parts], axis=2)
+    if o.shape[2] == 1:
+        return o[:, :, 0]
+    top = jnp.max(lse, axis=2, keepdims=True)
+    w = jnp.where(lse > -jnp.inf, jnp.exp(lse - jnp.where(top > -jnp.inf, top, 0.0)), 0.0)  # [B, Hkv, S, Rp]
+    tot = jnp.sum(w, axis=2)
+    out = jnp.einsum("bksr,bksrd->bkrd", w, o, precision=jax.lax.Precision.HIGHEST)
+    return out / jnp.where(tot > 0, tot, 1.0)[..., None]
+
+
+def run_paged(paged_fn, q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g: Geometry):
+    """The common driver: group queries, run paged_fn(qg, kv_pages, page_table, bounds, g) -> partials
+    (o [B, Hkv, S, R', D] f32, lse [B, Hkv, S, R'], R' >= R rows), add the dense block part,
+    combine, ungroup."""
+    qg = group_queries(q, g)
+    bounds = row_bounds(q_start, kv_len, mask_start, block_mask is not None, g)
+    o, lse = paged_fn(qg, kv_pages, page_table.astype(jnp.int32), bounds, g)
+    parts = [(o[:, :, :, : g.R], lse[:, :, :, : g.R])]
+    if block_mask is not None:
+        parts.append(block_partial(q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g))
+    return ungroup(combine(parts), g, q.dtype)

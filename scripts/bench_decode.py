@@ -1,10 +1,20 @@
-"""Plain decode step time and achieved weight bandwidth (run on the GPU machine).
+"""Plain decode step time against the roofline (run on the GPU machine).
 
-    python scripts/bench_decode.py --shapes smollm2-135m,llama3.1-8b --batches 1,32
+    python scripts/bench_decode.py --shapes llama3.1-8b --batches 1,32 --context 512,4096 \
+        --max-seq-len 1024,8192 --attention auto
 
-Random bf16 weights are made on the device. The device's copy bandwidth is measured in the
-same run. "weight GB/s" = bytes of weights streamed per step / step time (the embedding
-table is not streamed unless tied, where it is the lm_head).
+Random weights are made on the device; every combination of shape x batch x context x capacity
+(max_seq_len, context < capacity) is timed. The device's copy bandwidth is measured in the same
+run. Reported per row:
+  weight GB/s     bytes of weights streamed per step / step time (the embedding table only when
+                  tied, where it is the lm_head)
+  kv GB           live KV bytes one step reads: layers x batch x context x 2 x Hkv x D x itemsize
+  % roofline      (weights + live KV bytes) / copy bandwidth / step time: 100 % = every byte that
+                  must be read is read once at the copy bandwidth; a kernel that reads dead pages
+                  (capacity instead of context) falls behind as the capacity grows
+  % copy BW       weights only (the earlier figure)
+On CPU, a tiny smoke run: --shapes tiny --copy-gib 0.05 --steps 4 (add --attention pallas
+--interpret to run the generic Pallas kernel in its interpreter).
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from specjax import decode  # noqa: E402
+from specjax import attention, decode  # noqa: E402
 from specjax.kv_cache import init_cache  # noqa: E402
 from specjax.models.llama import Llama, flat_state  # noqa: E402
 from specjax.sampling import SamplingArrays  # noqa: E402
@@ -79,10 +89,18 @@ def streamed_weight_bytes(model, cfg):
     return total
 
 
-def bench_one(shape, batch, context, steps, max_seq_len, page_size):
+def live_kv_bytes(cfg, batch, context, dtype=jnp.bfloat16):
+    """K and V bytes of the live entries one decode step reads (every layer, every active row)."""
+    return cfg.num_layers * batch * context * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def bench_one(shape, batch, context, steps, max_seq_len, page_size, attn="auto", interpret=False):
     cfg = shape_config(shape)
     model = Llama(cfg, jnp.bfloat16, nnx.Rngs(0))
     wbytes = streamed_weight_bytes(model, cfg)
+    impl, choice = attention.resolve(attn, dtype=jnp.bfloat16, page_size=page_size, head_dim=cfg.head_dim,
+                                     interpret=interpret)
+    model = attention.configure(model, impl)  # what the engine does at start
     fns, weights = decode.compile_steps(*nnx.split(model))
     pages_per_slot = max_seq_len // page_size
     num_pages = batch * pages_per_slot + 1
@@ -137,43 +155,57 @@ def bench_one(shape, batch, context, steps, max_seq_len, page_size):
     toks.tokens.block_until_ready()
     loop_s = (time.perf_counter() - t0) / (reps * loop)
     del state, weights, model
-    return dict(shape=shape, batch=batch, context=context, step_ms=step_s * 1e3, dispatch_ms=dispatch_s * 1e3,
+    kv = live_kv_bytes(cfg, batch, context)
+    return dict(shape=shape, batch=batch, context=context, max_seq_len=max_seq_len, attention=str(choice),
+                step_ms=step_s * 1e3, dispatch_ms=dispatch_s * 1e3,
                 kernels=kernels, loop_step_ms=loop_s * 1e3, loop_weight_gbps=wbytes / loop_s / 1e9,
-                weight_gb=wbytes / 1e9, weight_gbps=wbytes / step_s / 1e9, tokens_per_s=batch / step_s,
-                compile_s=compile_s)
+                weight_gb=wbytes / 1e9, kv_gb=kv / 1e9, weight_gbps=wbytes / step_s / 1e9,
+                tokens_per_s=batch / step_s, compile_s=compile_s)
+
+
+def ints(text):
+    return [int(x) for x in str(text).split(",")]
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="smollm2-135m,llama3.1-8b")
     p.add_argument("--batches", default="1,32")
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--context", default="512", help="comma list: tokens per row in the cache")
+    p.add_argument("--max-seq-len", default="1024", help="comma list: the cache capacity per row")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy-bandwidth probe")
     p.add_argument("--json", default=None)
-    p.add_argument("--attention", default="auto", help="implementation at specjax.attention (auto: cuDNN for bf16 on GPU)")
+    p.add_argument("--attention", default="auto", help="implementation at specjax.attention (resolve)")
+    p.add_argument("--interpret", action="store_true", help="run a Pallas kernel in its interpreter (CPU)")
     a = p.parse_args()
-    print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, "attention:", a.attention, flush=True)
-    from specjax import attention
-    attention.set_impl(a.attention)
-    bw, kinds = copy_bandwidth()
+    print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    bw, kinds = copy_bandwidth(a.copy_gib)
     print("copy bandwidth (GB/s):", {k: round(v / 1e9) for k, v in kinds.items()}, flush=True)
     rows = []
     for shape in a.shapes.split(","):
-        for b in [int(x) for x in a.batches.split(",")]:
-            r = bench_one(shape, b, a.context, a.steps, a.max_seq_len, a.page_size)
-            r["pct_copy_bw"] = 100 * r["weight_gbps"] * 1e9 / bw
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+        for b in ints(a.batches):
+            for cap in ints(a.max_seq_len):
+                for ctx in ints(a.context):
+                    if ctx + 16 > cap:
+                        print(f"skip context {ctx} at max_seq_len {cap}: no room for the timed steps", flush=True)
+                        continue
+                    r = bench_one(shape, b, ctx, a.steps, cap, a.page_size, a.attention, a.interpret)
+                    r["pct_copy_bw"] = 100 * r["weight_gbps"] * 1e9 / bw
+                    r["pct_roofline"] = 100 * (r["weight_gb"] + r["kv_gb"]) * 1e9 / bw / (r["step_ms"] / 1e3)
+                    r["loop_pct_roofline"] = 100 * (r["weight_gb"] + r["kv_gb"]) * 1e9 / bw / (r["loop_step_ms"] / 1e3)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-    print("| shape | batch | step ms | dispatch ms | weights GB | weight GB/s | % copy BW | tok/s "
-          "| in-program step ms | in-program % copy BW | launches/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"attention: {rows[0]['attention'] if rows else '-'}")
+    print("| shape | batch | context | max_seq_len | step ms | weights GB | live KV GB | % roofline "
+          "| % copy BW (weights) | tok/s | in-program step ms | in-program % roofline | launches/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['batch']} | {r['step_ms']:.3f} | {r['dispatch_ms']:.3f} | {r['weight_gb']:.2f} "
-              f"| {r['weight_gbps']:.0f} | {r['pct_copy_bw']:.1f} | {r['tokens_per_s']:.0f} "
-              f"| {r['loop_step_ms']:.3f} | {100 * r['loop_weight_gbps'] * 1e9 / bw:.1f} | {r['kernels']} |")
+        print(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['max_seq_len']} | {r['step_ms']:.3f} "
+              f"| {r['weight_gb']:.3f} | {r['kv_gb']:.3f} | {r['pct_roofline']:.1f} | {r['pct_copy_bw']:.1f} "
+              f"| {r['tokens_per_s']:.0f} | {r['loop_step_ms']:.3f} | {r['loop_pct_roofline']:.1f} | {r['kernels']} |")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(copy_gbps=bw / 1e9, copy_kinds=kinds, rows=rows), indent=1))
 

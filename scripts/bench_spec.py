@@ -14,6 +14,13 @@ Configs: chainK = chain of K drafted tokens; treeKxM[dS] = topk K, num_draft_tok
 (default 5). --breakdown also times the parts alone: the target forward over the tree, verify +
 accept (+ compaction), and the draft part (extend + growth). --kv-compact-impl: the compaction
 kernel, chosen once per configuration like the engine does (specjax.kernels; printed with each row).
+Attention alone (always reported; the implementation the engine would pick, or --attention):
+  decode_attn_ms  the target's attention of one plain decode step (T = 1), all layers
+  verify_attn_ms  the target's attention of the tree verify (T = N nodes, the tree's ancestor mask),
+                  all layers, over the same pages; verify/decode is the ratio the kernels aim to keep
+                  <= 1.5 for 17 nodes
+On CPU, a tiny smoke run: --shapes tiny --batches 2 --configs tree2x4d2 --context 24 --max-seq-len 64
+--steps 2 (add --attention pallas --interpret for the generic kernel in its interpreter).
 Lengths grow during the run (context .. context + steps * (S + 1)); random heads accept little.
 """
 from __future__ import annotations
@@ -48,7 +55,8 @@ def eagle3_head(shape: str, cfg: ModelConfig, dtype):
     layer = ModelConfig.from_hf_dict(d)
     L = cfg.num_layers
     ecfg = EagleConfig(method="eagle3", layer=layer, target_vocab_size=cfg.vocab_size,
-                       draft_vocab_size=min(32000, cfg.vocab_size // 3), aux_layers=(2, L // 2, L - 3),
+                       draft_vocab_size=min(32000, cfg.vocab_size // 3),
+                       aux_layers=(2, L // 2, L - 3) if L >= 8 else (0, L // 2, L),  # small L: the tiny shape
                        fc_bias=False)
     head = EagleHead(ecfg, dtype, nnx.Rngs(1))
     vd = ecfg.draft_vocab_size
@@ -78,6 +86,45 @@ def timed(fn, state, steps):
 
 
 MESH = None  # set by --tensor-parallel N > 1: weights and states are placed in their shardings
+
+
+def bench_attention(cfg, impl, spec, batch, context, max_seq_len, page_size, steps, dtype=jnp.bfloat16):
+    """(decode, verify) attention ms per step, all layers: `attend` alone with the step's shapes over
+    one layer's pages, chained cfg.num_layers times inside one program (each call's output is the
+    next one's query, so nothing is merged or skipped)."""
+    from specjax import attention, tree as tree_lib
+    from specjax.kv_cache import meta_at
+    P = max_seq_len // page_size
+    rng = np.random.default_rng(0)
+    pages = jnp.asarray(rng.normal(size=(batch * P + 1, page_size, 2, cfg.num_kv_heads, cfg.head_dim)), dtype)
+    table = jnp.asarray(1 + np.arange(batch * P, dtype=np.int32).reshape(batch, P))
+    start = jnp.full((batch,), context, jnp.int32)
+    N = spec.num_nodes
+    parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, N)] for _ in range(batch)], np.int32)
+    depth = np.zeros_like(parents)
+    for i in range(1, N):
+        depth[:, i] = depth[np.arange(batch), parents[:, i]] + 1
+    tree = tree_lib.make_tree(jnp.zeros((batch, N), jnp.int32), jnp.asarray(parents), jnp.asarray(depth),
+                              spec.num_steps)
+
+    def timed_attn(T, block_mask):
+        meta = meta_at(table, start, jnp.full((batch,), T, jnp.int32), T, page_size, block_mask)
+        q0 = jnp.asarray(rng.normal(size=(batch, T, cfg.num_heads, cfg.head_dim)), dtype)
+
+        @jax.jit
+        def layers(q, pages):
+            def body(q, _):
+                return attention.attend(q, pages, meta, impl, sliding_window=cfg.sliding_window), None
+            return jax.lax.scan(body, q, None, length=cfg.num_layers)[0]
+
+        jax.block_until_ready(layers(q0, pages))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            q0 = layers(q0, pages)
+        jax.block_until_ready(q0)
+        return (time.perf_counter() - t0) / steps * 1e3
+
+    return timed_attn(1, None), timed_attn(N, tree.mask)
 
 
 def place(tree):
@@ -185,6 +232,8 @@ def main():
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--kv-compact-impl", default="auto", choices=kernels.KV_COMPACT_CHOICES)
+    p.add_argument("--attention", default="auto", help="implementation at specjax.attention (resolve)")
+    p.add_argument("--interpret", action="store_true", help="run a Pallas kernel in its interpreter (CPU)")
     a = p.parse_args()
     global MESH
     if a.tensor_parallel > 1:
@@ -196,6 +245,12 @@ def main():
         cfg = shape_config(shape)
         target = Llama(cfg, jnp.bfloat16, nnx.Rngs(0))
         head, ecfg = eagle3_head(shape, cfg, jnp.bfloat16)
+        from specjax import attention  # chosen once per model, as the engine does at start
+        pick = dict(dtype=jnp.bfloat16, page_size=a.page_size, interpret=a.interpret, mesh=MESH)
+        impl, choice = attention.resolve(a.attention, head_dim=cfg.head_dim, **pick)
+        target = attention.configure(target, impl)
+        head = attention.configure(head, attention.resolve(a.attention, head_dim=ecfg.layer.head_dim, **pick)[0])
+        print(choice, flush=True)
         if MESH is not None:
             from specjax import sharding
             tp = a.tensor_parallel
@@ -207,16 +262,22 @@ def main():
                 spec = parse_config(name)
                 fused, unf, tau, parts = bench_spec(target, cfg, head, ecfg, spec, b, a.context, a.max_seq_len,
                                                     a.page_size, a.steps, a.breakdown, a.kv_compact_impl)
+                if MESH is None:
+                    dec, ver = bench_attention(cfg, impl, spec, b, a.context, a.max_seq_len, a.page_size, a.steps)
+                    parts.update(decode_attn_ms=dec, verify_attn_ms=ver, verify_over_decode_attn=ver / dec)
                 r = dict(shape=shape, tp=a.tensor_parallel, batch=b, config=name, num_steps=spec.num_steps, topk=spec.topk,
                          num_draft_tokens=spec.num_draft_tokens, plain_ms=plain * 1e3, fused_ms=fused * 1e3,
                          unfused_ms=unf * 1e3, ratio=fused / plain, random_head_tau=tau, **parts)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-    print("| shape | TP | batch | config | plain ms | fused ms | unfused ms | fused/plain |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | TP | batch | config | plain ms | fused ms | unfused ms | fused/plain "
+          "| decode attn ms | verify attn ms | verify/decode attn |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        attn = (f"{r['decode_attn_ms']:.3f} | {r['verify_attn_ms']:.3f} | {r['verify_over_decode_attn']:.2f}"
+                if "decode_attn_ms" in r else "- | - | -")
         print(f"| {r['shape']} | {r['tp']} | {r['batch']} | {r['config']} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} "
-              f"| {r['unfused_ms']:.3f} | {r['ratio']:.2f} |")
+              f"| {r['unfused_ms']:.3f} | {r['ratio']:.2f} | {attn} |")
 
 
 if __name__ == "__main__":

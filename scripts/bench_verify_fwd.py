@@ -1,6 +1,6 @@
 """Target forward cost over T new tokens (the verify part of a speculative step), GPU machine.
 
-    python scripts/bench_verify_fwd.py --shape llama3.1-8b --tokens 1,6,17 --attention cudnn,reference
+    python scripts/bench_verify_fwd.py --shape llama3.1-8b --tokens 1,6,17 --attention mosaic_gpu,cudnn,reference
 
 Random bf16 weights; --rows batch rows (row 0 active; the engine pads batch 1 to 2 rows for T = 1), context 512 in a
 1024-token paged slot; a tree-style block mask (each token sees itself and token 0) for T > 1.
@@ -10,6 +10,7 @@ different XLA_FLAGS to compare GEMM back ends.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -38,16 +39,14 @@ def main():
     p.add_argument("--rows", type=int, default=2)
     a = p.parse_args()
     cfg = shape_config(a.shape)
-    model = Llama(cfg, jnp.bfloat16, nnx.Rngs(0))
-    gd, params = nnx.split(model)
-    leaves, tdef = jax.tree.flatten(params)
+    base = Llama(cfg, jnp.bfloat16, nnx.Rngs(0))
     rows, ps, max_len, ctx = a.rows, 16, 1024, 512
     cache = init_cache(cfg, num_pages=rows * max_len // ps + 1, page_size=ps, max_slots=rows, max_seq_len=max_len,
                        dtype=jnp.bfloat16)
     table = jnp.asarray(1 + np.arange(rows * max_len // ps, dtype=np.int32).reshape(rows, -1))
     cache.page_table = table
 
-    def fwd(w, cache, tokens, positions, mask):
+    def fwd(gd, tdef, w, cache, tokens, positions, mask):
         m = nnx.merge(gd, jax.tree.unflatten(tdef, w))
         T = tokens.shape[1]
         num_new = jnp.where(jnp.arange(rows) == 0, T, 0).astype(jnp.int32)  # row 0 active
@@ -58,9 +57,12 @@ def main():
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, "XLA_FLAGS",
           os.environ.get("XLA_FLAGS", ""), flush=True)
     for impl in a.attention.split(","):
-        attention.set_impl(impl)
+        chosen, choice = attention.resolve(impl, dtype=jnp.bfloat16, page_size=ps, head_dim=cfg.head_dim)
+        print(choice, flush=True)
+        gd, params = nnx.split(attention.configure(base, chosen))
+        leaves, tdef = jax.tree.flatten(params)
         for T in map(int, a.tokens.split(",")):
-            f = jax.jit(fwd, donate_argnums=(1,))
+            f = jax.jit(functools.partial(fwd, gd, tdef), donate_argnums=(1,))
             toks = jax.random.randint(jax.random.key(T), (rows, T), 0, cfg.vocab_size, jnp.int32)
             pos = ctx + jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (rows, T))
             i = jnp.arange(T)

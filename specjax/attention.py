@@ -1,13 +1,48 @@
 """The one dispatch point for attention over the paged cache.
 
-Model code calls `attend`; which implementation runs is chosen here, never in the model.
+Model code calls `attend(q, kv_pages, meta, impl)`; `impl` (AttnImpl) is static configuration held
+by every Attention module of the model, set once at engine start by `configure(model, resolve(...))`
+outside traced code, so it is part of the model's graph definition and of the jit key of every
+program built from it. Implementations (same contract: pallas_kernels/paged_attention.py):
+
+  reference   pure jnp; gathers every page of every row (cost grows with the capacity). CPU default,
+              and the oracle of the tests.
+  pallas      generic pallas_call over the live key blocks only (Triton on GPU; any page size).
+  mosaic_gpu  Mosaic GPU kernel (Hopper; bf16 / f16; page sizes 8 .. 128 dividing or multiple of 64;
+              head_dim a multiple of 64). "auto" on a Hopper GPU.
+  tpu         Mosaic TPU kernel (page size a multiple of the sublane tile: 8 for 4-byte, 16 for 2-byte
+              dtypes). "auto" on TPU; where it cannot serve, the reference runs and `resolve` says so.
+  cudnn       cuDNN fused attention over the gathered pages (GPU bf16 / f16; reads every page).
+
+"auto" order: gpu -> mosaic_gpu, pallas, reference; tpu -> tpu, reference; cpu -> reference.
+With tensor parallelism (a mesh) the kernels are not used yet (they are not wrapped in shard_map):
+"auto" takes cudnn on GPU (bf16 / f16) or the reference and says so.
 """
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import gather_kv, paged_attention_reference, visibility_mask
+from specjax.kernel_choice import Choice, choose
+
+AUTO_ORDER = {"gpu": ("mosaic_gpu", "pallas", "reference"), "tpu": ("tpu", "reference"), "cpu": ("reference",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnImpl:
+    """Static attention configuration (hashable; part of the jit key)."""
+    name: str = "reference"
+    interpret: bool = False  # run a Pallas kernel in its interpreter (CPU tests)
+    block_q: int | None = None  # kernel tuning knobs (None: the kernel's default)
+    block_kv: int | None = None
+    num_splits: int | None = None
+
+
+REFERENCE = AttnImpl()
 
 
 def paged_attention_cudnn(q, kv_pages, page_table, q_start, kv_len, block_mask=None,
@@ -17,6 +52,7 @@ def paged_attention_cudnn(q, kv_pages, page_table, q_start, kv_len, block_mask=N
     T = q.shape[1]
     k, v = gather_kv(kv_pages, page_table)  # [B, S, Hkv, D]
     S = k.shape[1]
+    kv_len = jnp.maximum(kv_len, 1)  # rows without keys (inactive, output unused): no fully masked row (NaN)
     if T == 1 and block_mask is None and sliding_window is None:  # decode: keys [0, kv_len)
         # a slot stepped past its last page (steps computed after a request ended are dropped)
         # must not make cuDNN read past the S gathered keys
@@ -26,26 +62,129 @@ def paged_attention_cudnn(q, kv_pages, page_table, q_start, kv_len, block_mask=N
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
 
 
-_IMPLS = {"reference": paged_attention_reference, "cudnn": paged_attention_cudnn}
-_active = "auto"  # cuDNN fused attention on GPU for bf16/fp16, else the jnp reference
+def _tuning(impl: AttnImpl) -> dict:
+    kw = {k: getattr(impl, k) for k in ("block_q", "block_kv", "num_splits") if getattr(impl, k) is not None}
+    return dict(kw, interpret=impl.interpret)
 
 
-def register(name: str, fn) -> None:
-    """Plug in an implementation with the reference's signature."""
-    _IMPLS[name] = fn
+def _pallas(impl):
+    from pallas_kernels.paged_attention_pallas import paged_attention_pallas
+    return functools.partial(paged_attention_pallas, **_tuning(impl))
 
 
-def set_impl(name: str) -> None:
-    global _active
-    if name not in _IMPLS and name != "auto":
-        raise ValueError(f"unknown attention implementation {name!r}; known: {sorted(_IMPLS)}")
-    _active = name
+def _mosaic(impl):
+    from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
+    return functools.partial(paged_attention_mosaic, **_tuning(impl))
 
 
-def attend(q, kv_pages, meta, *, sliding_window=None):
+def _tpu(impl):
+    from pallas_kernels.paged_attention_tpu import paged_attention_tpu
+    kw = _tuning(impl)
+    kw.pop("num_splits", None)  # one TensorCore walks a row's pages in order: no splits
+    return functools.partial(paged_attention_tpu, **kw)
+
+
+_FACTORIES = {  # name -> (AttnImpl -> function with the reference's signature)
+    "reference": lambda impl: paged_attention_reference,
+    "cudnn": lambda impl: paged_attention_cudnn,
+    "pallas": _pallas,
+    "mosaic_gpu": _mosaic,
+    "tpu": _tpu,
+}
+
+
+def register(name: str, factory) -> None:
+    """Plug in an implementation: factory(AttnImpl) -> function with the reference's signature."""
+    _FACTORIES[name] = factory
+
+
+def implementation(impl: AttnImpl):
+    if impl.name not in _FACTORIES:
+        raise ValueError(f"unknown attention implementation {impl.name!r}; known: {sorted(_FACTORIES)}")
+    return _FACTORIES[impl.name](impl)
+
+
+def attend(q, kv_pages, meta, impl: AttnImpl = REFERENCE, *, sliding_window=None):
     """q: [B, T, H, D] over the pages named by meta (AttnMeta). Returns [B, T, H, D]."""
-    name = _active
-    if name == "auto":
-        name = "cudnn" if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) else "reference"
-    return _IMPLS[name](q, kv_pages, meta.page_table, meta.q_start, meta.kv_len,
-                           meta.block_mask, sliding_window=sliding_window, mask_start=meta.mask_start)
+    return implementation(impl)(q, kv_pages, meta.page_table, meta.q_start, meta.kv_len, meta.block_mask,
+                                sliding_window=sliding_window, mask_start=meta.mask_start)
+
+
+# ----------------------------------------------------------------------------- choosing at start
+
+def _gpu_kind() -> str | None:
+    """Compute capability of the first GPU ("9.0" on Hopper), None when unknown."""
+    try:
+        return str(jax.devices("gpu")[0].compute_capability)
+    except Exception:  # noqa: BLE001 - no GPU backend / attribute in this jax
+        return None
+
+
+def _checks(backend: str, dtype, page_size: int, head_dim: int, interpret: bool, mesh) -> dict:
+    dtype = jnp.dtype(dtype)
+    half = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+    def kernel_common():
+        if mesh is not None:
+            return "tensor parallelism: the kernels are not wrapped in shard_map yet"
+        return None
+
+    def pallas():
+        if backend != "gpu" and not interpret:
+            return f"the generic Pallas kernel lowers through Triton (GPU); backend is {backend!r}"
+        if not interpret and (head_dim & (head_dim - 1) or head_dim < 16):
+            return f"head_dim {head_dim} is not a power of two >= 16 (Triton blocks)"
+        return kernel_common()
+
+    def mosaic():
+        from pallas_kernels.paged_attention_mosaic import why_not_mosaic
+        if backend != "gpu" and not interpret:
+            return f"Mosaic GPU needs a GPU backend; backend is {backend!r}"
+        if backend == "gpu" and not interpret and not (_gpu_kind() or "").startswith("9"):
+            return f"Mosaic GPU kernel written for Hopper (sm_90); this GPU is sm_{_gpu_kind()}"
+        return why_not_mosaic(dtype, page_size, head_dim) or kernel_common()
+
+    def tpu():
+        from pallas_kernels.paged_attention_tpu import why_not_tpu
+        if backend != "tpu" and not interpret:
+            return f"Mosaic TPU needs a TPU backend; backend is {backend!r}"
+        return why_not_tpu(dtype, page_size, head_dim) or kernel_common()
+
+    def cudnn():
+        if backend != "gpu":
+            return f"cuDNN needs a GPU backend; backend is {backend!r}"
+        return None if half else f"cuDNN fused attention takes bf16 / fp16, not {dtype}"
+
+    return {"reference": lambda: None, "pallas": pallas, "mosaic_gpu": mosaic, "tpu": tpu, "cudnn": cudnn}
+
+
+def resolve(requested: str = "auto", *, dtype, page_size: int, head_dim: int, backend: str | None = None,
+            interpret: bool = False, mesh=None, **tuning) -> tuple[AttnImpl, Choice]:
+    """The implementation for this configuration, chosen once (outside traced code) and logged.
+    backend: the platform the programs are for (default: jax's default backend; "tpu" to export
+    TPU programs from a CPU host). interpret: Pallas kernels in their interpreter (CPU tests).
+    tuning: block_q / block_kv / num_splits for the kernels. Forcing an implementation that cannot
+    serve the configuration raises, naming the reason."""
+    backend = backend or jax.default_backend()
+    if backend == "cuda" or backend == "rocm":
+        backend = "gpu"
+    checks = _checks(backend, dtype, page_size, head_dim, interpret, mesh)
+    order = AUTO_ORDER.get(backend, ("reference",))
+    if mesh is not None and backend == "gpu":
+        order = ("cudnn", "reference")
+    checks = {n: checks.get(n, lambda: None) for n in _FACTORIES}  # registered plug-ins: no checks
+    choice = choose("attention", requested, order, checks)
+    return AttnImpl(choice.name, interpret=interpret and choice.name not in ("reference", "cudnn"), **tuning), choice
+
+
+def configure(model, impl: AttnImpl):
+    """A copy of `model` (same parameter arrays) whose Attention modules use `impl`."""
+    from flax import nnx
+
+    from specjax.models.llama import Attention
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, state)
+    for _, m in nnx.iter_modules(copy):
+        if isinstance(m, Attention):
+            m.attn_impl = impl
+    return copy

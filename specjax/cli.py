@@ -147,6 +147,9 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                    help="context length per request: prompt + generated tokens")
     g.add_argument("--tensor-parallel", type=positive_int, default=1,
                    help="shard the model (heads, MLP, vocabulary, KV heads) over N devices")
+    g.add_argument("--attention", default="auto", choices=["auto", "reference", "pallas", "mosaic_gpu", "tpu", "cudnn"],
+                   help="paged-attention implementation (auto: the Mosaic GPU kernel on Hopper, the TPU kernel "
+                        "on TPU, the jnp reference on the CPU; chosen once at start)")
     g.add_argument("--speculate", action="store_true",
                    help="speculative decoding with the EAGLE-3 head shipped for the default model")
     g.add_argument("--draft", metavar="DIR",
@@ -192,7 +195,8 @@ def llm_from_args(a):
     """The LLM the flags of add_model_arguments describe (after check_model_arguments)."""
     from specjax import LLM
     return LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft,
-               spec=a.spec, tensor_parallel=a.tensor_parallel, kv_compact_impl=a.kv_compact_impl)
+               spec=a.spec, tensor_parallel=a.tensor_parallel, kv_compact_impl=a.kv_compact_impl,
+               attention=a.attention)
 
 
 # ----------------------------------------------------------------------------- generate

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax import attention as attn_lib
 from specjax import programs as prog
 from specjax.kernels import KV_COMPACT_CHOICES, Kernels, choose_kv_compact, compact_shapes
 from specjax.kv_cache import init_cache
@@ -101,14 +102,17 @@ def _as_rows(kind: str, x) -> np.ndarray:
 class Engine:
     def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
                  draft: Draft | None = None, mesh=None, sched: SchedulerOptions | None = None, grammar=None,
-                 kv_compact_impl: str = "auto"):
+                 kv_compact_impl: str = "auto", attention: str | attn_lib.AttnImpl = "auto"):
         """mesh: a specjax.sharding mesh for tensor parallelism (None: one device). Weights are placed
         in their shardings and the device state is created sharded; the steps run unchanged (GSPMD).
         sched: SchedulerOptions (async loop, grammar overlap). grammar: a specjax.grammar.GrammarCompiler
         for constrained requests, or a callable building one on first use (None: they fail).
         kv_compact_impl: compaction of accepted tree paths, "auto" or one to force (specjax.kernels;
         a forced one that does not compile raises KernelError). The choice is `self.kernels`, reported
-        in `self.info` (logged at INFO on the "specjax" logger)."""
+        in `self.info` (logged at INFO on the "specjax" logger).
+        attention: the paged-attention implementation ("auto", or a name of specjax.attention; an
+        AttnImpl to force one with its settings, e.g. AttnImpl("pallas", interpret=True) on CPU),
+        chosen here once for the target and the draft; `self.attention_choice` says what runs and why."""
         self.cfg = cfg
         self.cache_opts, self.batch_opts = cache_opts, batch_opts
         self.opts = sched or SchedulerOptions()
@@ -122,6 +126,8 @@ class Engine:
             sharding.shard_model(model, mesh, rules)
             if draft is not None and draft.model is not model:
                 sharding.shard_model(draft.model, mesh, sharding.resolve_rules(draft.kv_cfg, tp))
+        model, draft = self._choose_attention(attention, model, cfg, draft, cache_opts.page_size, dtype, mesh)
+        self.draft = draft
         if draft is None:
             ahead = advance = batch_opts.steps_per_call
             tail = 0
@@ -193,7 +199,30 @@ class Engine:
                     f"num_draft_tokens={s.num_draft_tokens}, lookahead {self.lookahead})")
         return (f"{mode}; {b.max_batch} slots of {self.sched.capacity} cache entries (max_seq_len {c.max_seq_len}), "
                 f"{num_pages} pages of {c.page_size}, {jnp.dtype(dtype).name}; "
-                f"kernels: kv_compact={kernel_note}")
+                f"kernels: kv_compact={kernel_note}; " + "; ".join(self.attention_choice.values()))
+
+    def _choose_attention(self, attention, model, cfg, draft, page_size, dtype, mesh):
+        """Resolve the attention implementation once (outside traced code) for the target and the
+        draft, and return copies of the models that use it (static: part of the programs' jit key)."""
+        req, knobs = attention, {}
+        if isinstance(attention, attn_lib.AttnImpl):
+            req = attention.name
+            knobs = dict(interpret=attention.interpret, block_q=attention.block_q, block_kv=attention.block_kv,
+                         num_splits=attention.num_splits)
+
+        def pick(c):
+            return attn_lib.resolve(req, dtype=dtype, page_size=page_size, head_dim=c.head_dim, mesh=mesh, **knobs)
+
+        impl, choice = pick(cfg)
+        self.attention_choice = {"attention": str(choice)}
+        target = attn_lib.configure(model, impl)
+        if draft is None:
+            return target, None
+        if draft.model is model:
+            return target, dataclasses.replace(draft, model=target)
+        d_impl, d_choice = pick(draft.kv_cfg)
+        self.attention_choice["draft attention"] = str(d_choice)
+        return target, dataclasses.replace(draft, model=attn_lib.configure(draft.model, d_impl))
 
     # -- views ------------------------------------------------------------------------------
     @property

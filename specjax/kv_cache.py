@@ -41,7 +41,8 @@ class AttnMeta:
     page_table: jax.Array  # [B, P] int32 pages of each batch row
     write_idx: jax.Array  # [B, T] int32 flat cache index (page * page_size + offset); trash for padding
     q_start: jax.Array  # [B] int32 cache index of the first new token of each row
-    kv_len: jax.Array  # [B] int32 valid cache entries after this step's writes
+    kv_len: jax.Array  # [B] int32 valid cache entries after this step's writes (0 for rows without
+    #                    new tokens: nothing of theirs is used, and the kernels then read no page)
     block_mask: jax.Array | None = None  # [B, T, W] bool: new token i sees cache entry mask_start + j
     #                                        (None: causal over the T new tokens)
     mask_start: jax.Array | None = None  # [B] int32 first cache index governed by block_mask (None: q_start)
@@ -79,7 +80,7 @@ def meta_at(page_table, start, num_new, T: int, page_size: int, block_mask=None,
         page_table=page_table,
         write_idx=write_indices(page_table, start, num_new, T, page_size),
         q_start=start,
-        kv_len=start + num_new,
+        kv_len=jnp.where(num_new > 0, start + num_new, 0),  # inactive / padding rows read nothing
         block_mask=block_mask,
         mask_start=mask_start,
     )

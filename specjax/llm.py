@@ -52,7 +52,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", page_size: int = 16,
                  max_batch: int = 8, max_seq_len: int = 2048, num_pages: int | None = None, seed: int = 0,
                  draft: str | Path | None = None, spec=None, tensor_parallel: int = 1,
-                 scheduler: SchedulerOptions | None = None, kv_compact_impl: str = "auto"):
+                 scheduler: SchedulerOptions | None = None, kv_compact_impl: str = "auto", attention="auto"):
         """dtype: "auto" (float32 on the CPU, bfloat16 on GPUs and TPUs), "bfloat16" or "float32".
         draft: None (plain decoding), "self" (the target drafts for itself: for testing), the
         directory of a converted Llama-family draft model with the target's vocabulary, or of a
@@ -64,6 +64,8 @@ class LLM:
         kernel that compiles, else the jnp reference), or "reference" / "pallas" / "mosaic" /
         "mosaic:pallas_call" to force one (raises if it does not compile). `llm.engine.info` (logged at
         INFO on the "specjax" logger) says which one runs.
+        attention: paged-attention implementation ("auto": the Mosaic GPU kernel on Hopper, the TPU
+        kernel on TPU, the jnp reference on CPU; see specjax.attention); `LLM.engine.attention_choice` says which.
         Constrained requests (SamplingParams json_schema / regex / grammar / choice) compile with one
         specjax.grammar.GrammarCompiler built from the tokenizer on first use."""
         from specjax.checkpoint import check_converted, load_model, load_tokenizer
@@ -92,7 +94,8 @@ class LLM:
             engine_draft = self._load_draft(draft, spec, module, dtype)
         self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages),
                              BatchOptions(max_batch), DTYPES[dtype], draft=engine_draft, mesh=mesh,
-                             sched=scheduler, grammar=self._grammar_compiler, kv_compact_impl=kv_compact_impl)
+                             sched=scheduler, grammar=self._grammar_compiler, kv_compact_impl=kv_compact_impl,
+                             attention=attention)
         self._rng = random.Random(seed)
         self._next_id = 0
 

@@ -1,14 +1,22 @@
-"""Every attention implementation at the dispatch point against the jnp reference.
-Implementations that need a GPU (cuDNN) are skipped on CPU; run this file on the GPU machine."""
+"""The attention dispatch point: the implementation is chosen once at start (resolve), logged, held
+as static configuration by the model's Attention modules (configure) and so part of every
+program's jit key. Implementations that need a GPU (cuDNN) are checked on the GPU machine only."""
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from pallas_kernels.paged_attention import paged_attention_reference
-from specjax import attention
+from specjax import attention, decode
+from specjax.attention import AttnImpl
+from specjax.kv_cache import init_cache
+from specjax.models.llama import Attention
+from helpers import tiny_config, tiny_model
 
 
 def _case(rng, B=3, T=4, H=8, Hkv=2, D=64, ps=16, P=8, dtype=jnp.bfloat16, tree=False):
@@ -44,11 +52,88 @@ def test_cudnn_matches_reference(tree, T):
     assert err < 2e-2, err
 
 
-def test_auto_dispatch_picks_reference_on_cpu_and_f32():
+def test_resolve_auto_per_backend(monkeypatch, caplog):
+    def auto(**kw):
+        impl, choice = attention.resolve("auto", **kw)
+        return impl.name, choice.note
+
+    bf16 = dict(dtype=jnp.bfloat16, page_size=16, head_dim=128)
+    with caplog.at_level(logging.INFO, logger="specjax"):
+        assert auto(backend="cpu", **bf16) == ("reference", "auto")
+    assert "attention: reference (auto)" in caplog.text  # the choice is logged
+    # TPU: the Mosaic TPU kernel where it can serve, else the reference with the reason
+    assert auto(backend="tpu", **bf16)[0] == "tpu"
+    name, note = auto(backend="tpu", dtype=jnp.bfloat16, page_size=8, head_dim=128)
+    assert name == "reference" and "page_size 8 is not a multiple of 16" in note
+    name, note = auto(backend="tpu", dtype=jnp.float32, page_size=16, head_dim=64)
+    assert name == "reference" and "head_dim 64" in note
+    # GPU (pretend Hopper): Mosaic GPU for bf16; Triton for f32 or small pages; reasons kept
+    monkeypatch.setattr(attention, "_gpu_kind", lambda: "9.0")
+    assert auto(backend="gpu", **bf16)[0] == "mosaic_gpu"
+    name, note = auto(backend="gpu", dtype=jnp.float32, page_size=16, head_dim=128)
+    assert name == "pallas" and "bf16 / f16" in note
+    name, note = auto(backend="gpu", dtype=jnp.bfloat16, page_size=4, head_dim=128)
+    assert name == "pallas" and "page_size 4" in note
+    monkeypatch.setattr(attention, "_gpu_kind", lambda: "8.0")
+    name, note = auto(backend="gpu", **bf16)
+    assert name == "pallas" and "Hopper" in note
+    # tensor parallelism: no kernels yet, said so by the order (cuDNN, reference)
+    assert auto(backend="gpu", mesh=object(), **bf16)[0] == "cudnn"
+    assert auto(backend="gpu", mesh=object(), dtype=jnp.float32, page_size=16, head_dim=128)[0] == "reference"
+
+
+def test_resolve_forced_and_errors():
+    kw = dict(dtype=jnp.float32, page_size=16, head_dim=8, backend="cpu")
+    with pytest.raises(ValueError, match="unknown attention implementation 'nope'"):
+        attention.resolve("nope", **kw)
+    with pytest.raises(ValueError, match="'pallas' cannot serve.*Triton"):
+        attention.resolve("pallas", **kw)  # no Triton on CPU; interpret=True would run it
+    with pytest.raises(ValueError, match="'mosaic_gpu' cannot serve.*bf16 / f16"):
+        attention.resolve("mosaic_gpu", **dict(kw, interpret=True))
+    impl, choice = attention.resolve("pallas", interpret=True, num_splits=2, **kw)
+    assert impl == AttnImpl("pallas", interpret=True, num_splits=2) and choice.note == "forced"
+    impl, _ = attention.resolve("reference", interpret=True, **kw)
+    assert impl == attention.REFERENCE  # interpret means nothing for the reference: same jit key
+
+
+def test_configure_is_static_and_leaves_the_model_alone():
+    cfg = tiny_config()
+    model = tiny_model(cfg)
+    impl = AttnImpl("pallas", interpret=True)
+    conf = attention.configure(model, impl)
+    mods = [m for _, m in nnx.iter_modules(conf) if isinstance(m, Attention)]
+    assert len(mods) == cfg.num_layers and all(m.attn_impl == impl for m in mods)
+    assert all(m.attn_impl == attention.REFERENCE for _, m in nnx.iter_modules(model) if isinstance(m, Attention))
+    g0, p0 = nnx.split(model)
+    g1, p1 = nnx.split(conf)
+    assert g0 != g1  # the choice is in the graph definition, hence in the programs' jit key
+    assert all(a is b for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)))  # weights shared, not copied
+
+
+def test_attend_dispatches_on_the_static_impl():
     rng = np.random.default_rng(1)
-    args = _case(rng, dtype=jnp.float32)
-    meta = type("M", (), dict(page_table=args[2], q_start=args[3], kv_len=args[4], block_mask=None, mask_start=None))
-    out = attention.attend(args[0], args[1], meta)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(paged_attention_reference(*args[:5])))
-    with pytest.raises(ValueError, match="unknown attention implementation"):
-        attention.set_impl("nope")
+    q, kv, pt, qs, kl, _ = _case(rng, T=1, dtype=jnp.float32, D=16)
+    meta = type("M", (), dict(page_table=pt, q_start=qs, kv_len=kl, block_mask=None, mask_start=None))
+    ref = attention.attend(q, kv, meta)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(paged_attention_reference(q, kv, pt, qs, kl)))
+    got = attention.attend(q, kv, meta, AttnImpl("pallas", interpret=True))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_plain_steps_run_the_configured_kernel(monkeypatch):
+    """The kernel a model was configured with is what its programs trace (no global state)."""
+    from pallas_kernels import paged_attention_pallas as pap
+    calls = []
+    real = pap.paged_attention_pallas
+    monkeypatch.setattr(pap, "paged_attention_pallas", lambda *a, **k: calls.append(k) or real(*a, **k))
+    cfg = tiny_config()
+    model = attention.configure(tiny_model(cfg), AttnImpl("pallas", interpret=True, block_kv=16))
+    steps, w = decode.compile_steps(*nnx.split(model))
+    cache = init_cache(cfg, num_pages=9, page_size=4, max_slots=2, max_seq_len=16, dtype=jnp.float32)
+    cache.page_table = jnp.asarray(np.arange(1, 9, dtype=np.int32).reshape(2, 4))
+    state = decode.DecodeState(cache, jnp.zeros((2,), jnp.int32))
+    tokens = jnp.asarray([[5, 6, 7, 0], [8, 9, 0, 0]], jnp.int32)
+    out, state = steps.prefill(w, state, tokens, jnp.asarray([3, 2], jnp.int32), jnp.arange(2, dtype=jnp.int32),
+                               None, stochastic=False)
+    assert len(calls) == cfg.num_layers and all(k.get("block_kv") == 16 and k.get("interpret") for k in calls)
+    assert np.asarray(out.tokens).shape == (2,)

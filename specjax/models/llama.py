@@ -81,6 +81,7 @@ class Attention(nnx.Module):
         self.qkv_bias, self.o_bias, self.qk_norm = cfg.qkv_bias, cfg.o_bias, cfg.qk_norm
         self.sliding_window = cfg.sliding_window
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(D, cfg.rope))
+        self.attn_impl = attention.REFERENCE  # static; set at engine start (attention.configure)
 
     def __call__(self, x, positions, kv_pages, meta: AttnMeta):
         # x: [B, T, E]
@@ -94,7 +95,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, self.inv_freq)
         k = apply_rope(k, positions, self.inv_freq)
         kv_pages = write_kv(kv_pages, k, v, meta.write_idx)
-        o = attention.attend(q, kv_pages, meta, sliding_window=self.sliding_window)
+        o = attention.attend(q, kv_pages, meta, self.attn_impl, sliding_window=self.sliding_window)
         out = _einsum("bthd,hde->bte", o, self.wo[...])  # [B, T, E]
         if self.o_bias:
             out = out + self.bo[...]

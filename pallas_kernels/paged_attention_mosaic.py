@@ -1,0 +1,240 @@
+"""Paged attention as a Mosaic GPU kernel (Hopper: TMA page copies into swizzled SMEM, wgmma).
+
+Same contract as `paged_attention_reference` (pallas_kernels/paged_attention.py, where the data
+flow of all the kernels is written). One CTA (one warpgroup) per (row b, KV head h, split s, query
+block), grid (B, Hkv, splits * query blocks); the query blocks of one split are neighbours, so a
+page one of them reads is in L2 for the others:
+
+    TMA  q block [BQ, D] of head h (rows t * G + g; BQ = 64, wgmma's M, or 128 when a KV head has
+         more than 64 query rows, e.g. a 17-node tree with G = 4: one CTA reads each page once)
+    for each key block j of the split (BK = 64 keys = BK / ps pages), `stages` blocks in flight:
+        TMA  the K and V page slabs kv[page, :, 0 | 1, h, :] ([ps, D] each) into slot j % stages
+        wgmma  s = q k^T          [64, BK] f32 in registers; scaled, masked (row_bounds)
+        online softmax (m, l), p in bf16
+        wgmma  acc += p v         [64, D] f32
+        slot free -> TMA block j + stages into it
+    o = acc / l, lse = m + log l  -> SMEM -> TMA to the partials of split s (only the real rows
+                                     when one block holds them all: decode writes G rows, not 64)
+
+Requirements (checked by `why_not_mosaic`): bf16 / f16; page size a multiple of 8 (TMA rows land
+on whole 8-row SMEM tiles) dividing 64 or a multiple of 64; head_dim a multiple of 64 (128-byte
+swizzle). Masks never need a division (`visible` in paged_attention.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.paged_attention import NEG, Geometry, geometry, key_range, run_paged, split_range, visible
+
+__all__ = ["paged_attention_mosaic", "why_not_mosaic"]
+
+BLOCK_QS = (64, 128)  # wgmma M is 64; a warpgroup issues two of them for 128 rows
+MAX_SPLITS = 32
+
+
+def _plgpu():
+    import jax.experimental.pallas.mosaic_gpu as plgpu  # imported lazily: GPU-only code path
+    return plgpu
+
+
+def why_not_mosaic(dtype, page_size: int, head_dim: int) -> str | None:
+    """Why the Mosaic GPU kernel cannot serve this configuration (None: it can)."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"takes bf16 / f16 (wgmma), not {dtype}"
+    if page_size % 8 or (64 % page_size and page_size % 64):
+        return f"page_size {page_size} is not a multiple of 8 dividing 64 (or a multiple of 64)"
+    if head_dim % 64:
+        return f"head_dim {head_dim} is not a multiple of 64 (128-byte swizzle)"
+    return None
+
+
+def _block_kv(ps: int) -> int:
+    return max(64, ps)
+
+
+def _out_rows(g: Geometry) -> int:
+    """Rows of the partial outputs: all padded rows, or (one query block) the real rows rounded to 8
+    (32-byte TMA rows of the f32 lse)."""
+    return g.Rp if g.num_q_blocks > 1 else -(-g.R // 8) * 8
+
+
+def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, bounds_ref, pt_ref, q_ref, kv_ref, o_ref, lse_ref, scratch):
+    """bounds_ref [B, 4], pt_ref [B, P] int32, q_ref [B, Hkv, Rp, D], kv_ref [N, ps, 2, Hkv, D]
+    (GMEM); o_ref [B, Hkv, S, R', D] f32, lse_ref [B, Hkv, S, R'] f32 (GMEM; R' = _out_rows)."""
+    plgpu = _plgpu()
+    q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar = scratch
+    BQ, BK, ps = g.block_q, _block_kv(g.ps), g.ps
+    ppb = BK // ps  # pages per key block
+    b = lax.axis_index("row")
+    h = lax.axis_index("head")
+    qs = lax.axis_index("qs")
+    s, qb = lax.div(qs, g.num_q_blocks), lax.rem(qs, g.num_q_blocks)
+    kend, diag, qpos = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
+    r0 = qb * BQ
+    t_lo = lax.div(r0, g.G)
+    t_hi = jnp.minimum(lax.div(r0 + BQ - 1, g.G), g.T - 1)
+    lo, hi = key_range((kend, diag, qpos), t_lo, t_hi, g.window)
+    j0, j1 = split_range(lo, hi, BK, s, S)
+
+    def issue(j, slot):  # TMA the K and V slabs of key block j into `slot`
+        for i in range(ppb):
+            page = pt_ref[b, jnp.minimum(j * ppb + i, g.P - 1)]
+            rows = pl.ds(i * ps, ps)
+            plgpu.copy_gmem_to_smem(kv_ref.at[page, :, 0, h], k_smem.at[slot, rows], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(kv_ref.at[page, :, 1, h], v_smem.at[slot, rows], v_bar.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(r0, BQ)], q_smem, q_bar)
+    for st in range(stages):
+        @pl.when(j0 + st < j1)
+        def _(st=st):
+            issue(j0 + st, st)
+    plgpu.barrier_wait(q_bar)
+
+    wg = plgpu.Layout.WGMMA
+    if interpret:  # the interpreter has no register layouts (they do not change values)
+        def iota(dim):
+            return lax.broadcasted_iota(jnp.int32, (BQ, BK), dim)
+
+        def cast(x, layout):
+            return x
+    else:
+        def iota(dim):
+            return plgpu.broadcasted_iota(jnp.int32, (BQ, BK), dim, layout=wg)
+        cast = plgpu.layout_cast
+    row = iota(0) + r0  # query row t * G + g
+    col = iota(1)
+
+    def step(j, carry):
+        acc, m, l = carry
+        slot = lax.rem(j - j0, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            return acc_ref[...]
+
+        if interpret:  # the interpreter's wgmma takes no transposed operand: the same product as a dot
+            # (interpret mode checks the TMA page gathers, barriers, pipeline, bounds, masks and softmax;
+            # the wgmma calls themselves are checked by lowering for CUDA and run on the GPU)
+            sc = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+        else:
+            sc = pl.run_scoped(qk, plgpu.ACC((BQ, BK), jnp.float32))
+        sc = sc * g.scale
+        ok = visible(col + j * BK, row, (kend, diag, qpos), g.G, g.window)
+        sc = jnp.where(ok, sc, NEG)
+        m_new = jnp.maximum(m, sc.max(axis=1))
+        p = jnp.where(ok, jnp.exp(sc - lax.broadcast_in_dim(m_new, sc.shape, [0])), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + p.sum(axis=1)
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+            return acc_ref[...]  # waits for the wgmma: the slot is free
+
+        if interpret:  # the interpreter's wgmma takes no register operand: the same product as a dot
+            pv_out = jnp.dot(p.astype(dtype), v_smem[slot], preferred_element_type=jnp.float32)
+        else:
+            pv_out = pl.run_scoped(pv, plgpu.ACC((BQ, g.D), jnp.float32))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_out
+
+        @pl.when(j + stages < j1)
+        def _():
+            issue(j + stages, slot)
+
+        return acc, m_new, l
+
+    acc = cast(jnp.zeros((BQ, g.D), jnp.float32), wg)
+    m = cast(jnp.full((BQ,), NEG, jnp.float32), wg.reduce(1))
+    l = cast(jnp.zeros((BQ,), jnp.float32), wg.reduce(1))
+    acc, m, l = lax.fori_loop(j0, j1, step, (acc, m, l))
+    live = l > 0.0
+    safe = jnp.where(live, l, 1.0)
+    o_smem[...] = acc / lax.broadcast_in_dim(safe, acc.shape, [0])
+    lse_smem[...] = jnp.where(live, m + jnp.log(safe), -jnp.inf)
+    plgpu.commit_smem()
+    n = min(BQ, _out_rows(g))  # static: a whole block, or the real rows of the only one
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, n)], o_ref.at[b, h, s, pl.ds(r0, n)])
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, n)], lse_ref.at[b, h, s, pl.ds(r0, n)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _interpret_params():
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError as e:  # pragma: no cover - depends on the jax version
+        raise ValueError("paged_attention_mosaic(interpret=True) needs the Mosaic GPU interpreter "
+                         "(jax._src.pallas.mosaic_gpu.interpret), missing in this jax") from e
+    return InterpretGPUParams()
+
+
+def auto_splits(g: Geometry, target_ctas: int = 264) -> int:
+    """Splits of each row's key range so that about target_ctas CTAs run (2 per SM on an H100 /
+    H200: 112 KiB of SMEM each at 2 stages and 64 query rows), at most MAX_SPLITS. Independent of
+    the capacity: a split beyond a row's live blocks exits at once, and the partials written do
+    not grow with max_seq_len."""
+    ctas = g.B * g.Hkv * g.num_q_blocks
+    return int(max(1, min(-(-target_ctas // max(ctas, 1)), MAX_SPLITS)))
+
+
+def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages: int, interpret: bool):
+    plgpu = _plgpu()
+    dtype = qg.dtype
+    S = num_splits or auto_splits(g)
+    BQ, BK = g.block_q, _block_kv(g.ps)
+    swz = 128
+    tr = (plgpu.TilingTransform((8, swz // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swz))
+    scratch = [
+        plgpu.SMEM((BQ, g.D), dtype, transforms=tr),
+        plgpu.SMEM((stages, BK, g.D), dtype, transforms=tr),
+        plgpu.SMEM((stages, BK, g.D), dtype, transforms=tr),
+        plgpu.SMEM((BQ, g.D), jnp.float32),
+        plgpu.SMEM((BQ,), jnp.float32),
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=BK // g.ps, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=BK // g.ps, num_barriers=stages),
+    ]
+
+    def entry(bounds_ref, pt_ref, q_ref, kv_ref, o_ref, lse_ref):
+        pl.run_scoped(lambda *sc: _body(g, S, stages, dtype, interpret, bounds_ref, pt_ref, q_ref, kv_ref, o_ref, lse_ref, sc),
+                      *scratch)
+
+    kw = {} if not interpret else {"interpret": _interpret_params()}
+    o, lse = pl.kernel(
+        entry,
+        out_type=[jax.ShapeDtypeStruct((g.B, g.Hkv, S, _out_rows(g), g.D), jnp.float32),
+                  jax.ShapeDtypeStruct((g.B, g.Hkv, S, _out_rows(g)), jnp.float32)],
+        mesh=plgpu.Mesh(grid=(g.B, g.Hkv, g.num_q_blocks * S), grid_names=("row", "head", "qs")),
+        name="paged_attention_mosaic",
+        **kw,
+    )(bounds, page_table, qg, kv_pages)
+    return o, lse
+
+
+def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=None, *, sliding_window=None,
+                           scale=None, mask_start=None, num_splits: int | None = None, stages: int = 2,
+                           block_q: int | None = None, block_kv: int | None = None, interpret: bool = False):
+    """Same contract as `paged_attention_reference`, as a Mosaic GPU kernel (Hopper) that reads
+    only the live key blocks of each row. num_splits: splits of each row's key range (None: about
+    two CTAs per SM, see auto_splits); stages: key blocks in flight per CTA; block_q: 64 or 128
+    query rows per CTA (None: 64, or 128 when a KV head has more than 64 rows); block_kv is
+    max(64, page_size) (other values are an error); interpret: run in the Mosaic GPU interpreter
+    on CPU (slow; for tests)."""
+    why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
+    if why is not None:
+        raise ValueError(f"paged_attention_mosaic: {why}")
+    if block_q not in (None,) + BLOCK_QS or block_kv not in (None, _block_kv(kv_pages.shape[1])):
+        raise ValueError(f"paged_attention_mosaic: block_q is one of {BLOCK_QS} and block_kv max(64, page_size); "
+                         f"got block_q={block_q}, block_kv={block_kv}")
+    if block_q is None:
+        block_q = 64 if q.shape[1] * (q.shape[2] // kv_pages.shape[3]) <= 64 else 128
+    g = geometry(q, kv_pages, page_table, block_q, sliding_window, scale)
+    fn = functools.partial(_paged, num_splits=num_splits, stages=stages, interpret=interpret)
+    return run_paged(fn, q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g)

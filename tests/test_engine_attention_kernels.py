@@ -1,0 +1,78 @@
+"""The engine's outputs do not change when the paged-attention kernel replaces the jnp reference:
+greedy float32 on a tiny model, plain decoding and speculative decoding (a draft tree: tree verify,
+draft growth with scratch masks, compaction), the generic Pallas kernel forced on in the Pallas
+interpreter (CPU), ragged prompts and several rows, page sizes 1 (plain) and 4 (speculative). On a GPU the same check of
+the Mosaic kernel on the default model is test_kernel_on_gpu_default_model (skipped elsewhere)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import IdTokenizer, tiny_config, tiny_model
+
+from specjax.attention import AttnImpl
+from specjax.drafter import DraftInfo
+from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
+from specjax.request import Request
+from specjax.sampling_params import SamplingParams
+from specjax.tree import SpecConfig
+
+MAX_SEQ = 40
+KERNEL = AttnImpl("pallas", interpret=True, block_kv=8)
+
+
+def _run(cfg, model, prompts, attention, draft=None, page_size=4):
+    eng = Engine(model, cfg, CacheOptions(page_size=page_size, max_seq_len=MAX_SEQ),
+                 BatchOptions(max_batch=3, steps_per_call=1), jnp.float32, draft=draft, attention=attention)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    reqs = [Request(i, None, p, params, IdTokenizer(), (96,), MAX_SEQ, 100 + i) for i, p in enumerate(prompts)]
+    eng.run(reqs)
+    assert eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1  # no page leaked
+    return [r.output().token_ids for r in reqs], eng.attention_choice
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_config()
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, 96, size=n)] for n in (9, 3, 14)]
+    model = tiny_model(cfg, seed=2)
+    want, kernels = _run(cfg, model, prompts, "reference")  # plain greedy with the jnp reference
+    assert kernels == {"attention": "attention: reference (forced)"}
+    return cfg, model, prompts, want
+
+
+def test_plain_greedy_unchanged_with_kernel(setup):
+    cfg, model, prompts, want = setup
+    got, kernels = _run(cfg, model, prompts, KERNEL, page_size=1)
+    assert kernels == {"attention": "attention: pallas (forced)"}
+    assert got == want
+
+
+def test_spec_tree_greedy_unchanged_with_kernel(setup):
+    cfg, model, prompts, want = setup
+    spec = SpecConfig(method="draft", num_steps=2, topk=2, num_draft_tokens=4)  # growth step 2 masks scratch
+    draft = Draft(model, cfg, DraftInfo("draft"), spec)  # the target drafts for itself: trees get accepted
+    got, kernels = _run(cfg, model, prompts, KERNEL, draft=draft)
+    assert kernels == {"attention": "attention: pallas (forced)"}
+    assert got == want
+
+
+def test_kernel_on_gpu_default_model():
+    """On a GPU: the default model in float32 with the auto kernel (Triton for f32) equals the
+    reference, plain and speculative (draft = self, a tree)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU (the CPU check is the interpreted kernel above)")
+    from specjax import LLM
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    spec = SpecConfig(method="draft", num_steps=3, topk=2, num_draft_tokens=6)
+    outs = {}
+    for attn in ("reference", "auto"):
+        for draft in (None, "self"):
+            llm = LLM(dtype="float32", attention=attn, draft=draft, spec=spec if draft else None)
+            if attn == "auto":
+                assert "reference" not in llm.engine.attention_choice["attention"].split("(")[0], llm.engine.attention_choice
+            outs[attn, draft] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["auto", None] == outs["reference", None] == outs["auto", "self"] == outs["reference", "self"]

@@ -1,0 +1,87 @@
+"""The Mosaic GPU and Mosaic TPU paged-attention kernels in their CPU interpreters against the jnp
+reference (bf16 within tolerance, f32 tight): ragged and empty rows, decode with several splits,
+tree verify (a 128-row query block), draft growth, chunked prefill at an offset, sliding windows,
+and that they read no page outside the rows' live key blocks. The interpreters are slow: few, small cases.
+
+What the Mosaic GPU interpreter checks: the TMA page gathers into the SMEM slots, the barriers and
+the multi-stage pipeline, bounds, splits, masks and the online softmax. Its wgmma takes neither a
+transposed nor a register operand, so there the two products run as plain dots; the wgmma calls
+are checked by lowering for CUDA (test_paged_attention_kernels.py) and run on the GPU."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import paged_attention_reference
+from paged_cases import assert_valid_close, make_case, poison_dead_pages
+
+
+def _gpu_interpreter_available() -> bool:
+    try:
+        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_gpu_interpreter = pytest.mark.skipif(not _gpu_interpreter_available(),
+                                           reason="no Mosaic GPU interpreter in this jax")
+
+
+def _ref(case):
+    return jax.jit(paged_attention_reference, static_argnames=("sliding_window",))(*case.args, **case.kwargs)
+
+
+def _run(fn, case, **kw):
+    return jax.jit(functools.partial(fn, interpret=True, **kw), static_argnames=("sliding_window",))(
+        *case.args, **case.kwargs)
+
+
+MOSAIC_CASES = [  # (mode, page_size, num_splits, T, H, window, seed); bf16, head_dim 64 (the kernel's minimum)
+    ("decode", 16, 3, 1, 4, None, 0),
+    ("verify", 8, 1, 17, 8, None, 1),  # 17 nodes x 4 query heads per KV head = 68 rows: one 128-row block
+    ("grow", 16, 2, 3, 4, 21, 2),  # with a sliding window
+]
+
+
+@needs_gpu_interpreter
+@pytest.mark.parametrize("mode,page_size,num_splits,T,H,window,seed", MOSAIC_CASES)
+def test_mosaic_interpreted_matches_reference(mode, page_size, num_splits, T, H, window, seed):
+    from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
+    case = make_case(np.random.default_rng(seed), mode, page_size=page_size, B=3, T=T, H=H, D=64,
+                     dtype=jnp.bfloat16, P=20 if mode == "decode" else None, window=window)
+    want = _ref(case)
+    if mode == "decode":  # pages outside the live 64-key blocks must not be read
+        case = poison_dead_pages(case, block=64)
+        assert np.isnan(np.asarray(case.kv_pages.astype(jnp.float32))).any()
+    got = _run(paged_attention_mosaic, case, num_splits=num_splits)
+    assert got.dtype == jnp.bfloat16
+    assert_valid_close(got, want, case.num_new, atol=3e-2)
+
+
+TPU_CASES = [  # (mode, page_size, dtype, window, seed); head_dim 128 (full lanes)
+    ("prefill", 16, jnp.bfloat16, 6, 3),  # with a sliding window
+    ("grow", 8, jnp.float32, None, 4),
+]
+
+
+@pytest.mark.parametrize("mode,page_size,dtype,window,seed", TPU_CASES)
+def test_tpu_interpreted_matches_reference(mode, page_size, dtype, window, seed):
+    from pallas_kernels.paged_attention_tpu import paged_attention_tpu
+    case = make_case(np.random.default_rng(seed), mode, page_size=page_size, B=3, D=128, dtype=dtype,
+                     T=5 if mode == "prefill" else None, P=40 if mode == "grow" else None, window=window)
+    want = _ref(case)
+    if mode == "grow":  # pages outside the live 128-key blocks must not be read
+        case = poison_dead_pages(case, block=128)
+        assert np.isnan(np.asarray(case.kv_pages)).any()
+    got = _run(paged_attention_tpu, case)
+    assert got.dtype == dtype
+    if dtype == jnp.float32:
+        assert_valid_close(got, want, case.num_new, atol=2e-5, rtol=1e-5)
+    else:
+        assert_valid_close(got, want, case.num_new, atol=3e-2)

@@ -1,0 +1,142 @@
+"""Paged-attention kernels against the jnp reference (the oracle; itself checked against dense
+attention in test_paged_attention.py): the generic Pallas kernel in the Pallas interpreter over
+decode / chunked prefill at an offset / tree verify / draft growth / sliding window, page sizes 1, 4
+and 16, f32 (tight) and bf16, ragged and empty rows, one or several splits; that it reads no page
+outside a row's live key blocks; the shared split/combine plumbing; and the lowering of the
+generic kernel for Triton and of the Mosaic GPU kernel for CUDA (cross-platform export, no GPU).
+The Mosaic GPU and TPU kernels run in their interpreters in test_paged_attention_interpreters.py."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels import paged_attention as pa
+from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.paged_attention_pallas import auto_splits, paged_attention_pallas
+from paged_cases import assert_valid_close, make_case, poison_dead_pages
+
+
+def _ref(case):
+    return jax.jit(paged_attention_reference, static_argnames=("sliding_window",))(*case.args, **case.kwargs)
+
+
+def _pallas(case, **kw):
+    fn = functools.partial(paged_attention_pallas, interpret=True, **kw)
+    return jax.jit(fn, static_argnames=("sliding_window",))(*case.args, **case.kwargs)
+
+
+CASES = [  # (mode, page_size, dtype, window, num_splits, block_kv, seed)
+    ("decode", 1, jnp.float32, None, 3, 16, 0),
+    ("decode", 16, jnp.float32, None, None, 16, 1),
+    ("prefill", 4, jnp.float32, None, 1, 8, 2),
+    ("verify", 16, jnp.float32, None, 2, 16, 3),
+    ("grow", 1, jnp.float32, None, 2, 8, 4),
+    ("prefill", 4, jnp.float32, 5, 2, 8, 5),  # sliding window: blocks below the window are skipped
+    ("decode", 16, jnp.bfloat16, None, 2, 32, 6),
+    ("verify", 1, jnp.bfloat16, None, 1, 16, 7),
+]
+
+
+@pytest.mark.parametrize("mode,page_size,dtype,window,num_splits,block_kv,seed", CASES)
+def test_pallas_matches_reference(mode, page_size, dtype, window, num_splits, block_kv, seed):
+    case = make_case(np.random.default_rng(seed), mode, page_size=page_size, dtype=dtype, window=window)
+    want = _ref(case)
+    got = _pallas(case, num_splits=num_splits, block_kv=block_kv)
+    assert got.dtype == dtype and got.shape == want.shape
+    atol = 2e-5 if dtype == jnp.float32 else 3e-2
+    assert_valid_close(got, want, case.num_new, atol=atol, rtol=1e-5 if dtype == jnp.float32 else 0)
+
+
+@pytest.mark.parametrize("mode,page_size", [("decode", 4), ("verify", 16)])
+def test_pallas_reads_only_live_blocks(mode, page_size):
+    """NaN in every page outside the rows' live key blocks: the kernel's output stays finite and
+    equal to the reference on clean pages (the reference itself reads every page)."""
+    case = make_case(np.random.default_rng(10), mode, page_size=page_size, P=24)
+    poisoned = poison_dead_pages(case, block=16)
+    assert np.isnan(np.asarray(poisoned.kv_pages)).any()
+    got = _pallas(poisoned, num_splits=3, block_kv=16)
+    assert_valid_close(got, _ref(case), case.num_new, atol=2e-5, rtol=1e-5)
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(np.asarray(_ref(poisoned))).any()  # the poison is there to be read
+
+
+def test_combine_is_exact_softmax_over_partials():
+    """Splitting a row's keys into partials and combining them = one softmax over all keys; rows
+    that see nothing anywhere give zeros (no NaN)."""
+    rng = np.random.default_rng(2)
+    B, K, S, R, D = 2, 2, 4, 5, 3
+    s = rng.normal(size=(B, K, R, S * 7))
+    v = rng.normal(size=(B, K, S * 7, D))
+    s[0, 0, 1] = -np.inf  # a row that sees nothing
+    parts = []
+    for i in range(S):
+        si, vi = s[..., i * 7:(i + 1) * 7], v[:, :, i * 7:(i + 1) * 7]
+        m = si.max(-1, keepdims=True)
+        w = np.where(np.isfinite(si), np.exp(si - np.where(np.isfinite(m), m, 0)), 0)
+        lse = np.where(w.sum(-1) > 0, np.log(np.maximum(w.sum(-1), 1e-300)) + m[..., 0], -np.inf)
+        o = np.einsum("bkrs,bksd->bkrd", w, vi) / np.maximum(w.sum(-1), 1e-300)[..., None]
+        parts.append((jnp.asarray(o[:, :, None], jnp.float32), jnp.asarray(lse[:, :, None], jnp.float32)))
+    got = np.asarray(pa.combine(parts))
+    full = np.where(np.isfinite(s), np.exp(s - np.nanmax(np.where(np.isfinite(s), s, np.nan), -1, keepdims=True)), 0)
+    with np.errstate(invalid="ignore"):
+        want = np.einsum("bkrs,bksd->bkrd", full, v) / full.sum(-1, keepdims=True)
+    want[0, 0, 1] = 0.0
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_auto_splits_fill_the_gpu_and_ignore_the_capacity():
+    from pallas_kernels import paged_attention_mosaic as pam
+    g = pa.Geometry(B=1, T=1, H=32, Hkv=8, D=128, P=64, ps=16, block_q=64, window=None, scale=1.0)
+    for split in (auto_splits, pam.auto_splits):
+        assert split(g) == 32  # 264 programs / 8 heads = 33, at most 32
+        assert split(pa.Geometry(**{**g.__dict__, "P": 512})) == 32  # the capacity does not matter
+        assert split(pa.Geometry(**{**g.__dict__, "B": 4})) == 9
+        assert split(pa.Geometry(**{**g.__dict__, "B": 64})) == 1
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _engine_shapes(dtype, T, tree):
+    B, H, Hkv, D, ps, P, N = 4, 32, 8, 128, 16, 64, 300
+    return [_sds((B, T, H, D), dtype), _sds((N, ps, 2, Hkv, D), dtype), _sds((B, P), jnp.int32),
+            _sds((B,), jnp.int32), _sds((B,), jnp.int32), _sds((B, T, T), jnp.bool_) if tree else None]
+
+
+@pytest.mark.parametrize("dtype,T,tree", [(jnp.bfloat16, 1, False), (jnp.float32, 17, True)])
+def test_pallas_lowers_for_triton(dtype, T, tree):
+    """The generic kernel's Triton lowering (Python side) for CUDA; compiling needs a GPU."""
+    pytest.importorskip("jax.experimental.pallas.triton")
+    exp = export.export(jax.jit(paged_attention_pallas), platforms=("cuda",),
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
+    assert "xla.gpu.triton" in exp(*_engine_shapes(dtype, T, tree)).mlir_module()
+
+
+@pytest.mark.parametrize("T,tree,window", [(1, False, None), (17, True, None), (300, False, 64)])
+def test_mosaic_lowers_for_cuda(T, tree, window):
+    """The Mosaic GPU kernel's lowering (TMA page copies into swizzled SMEM, wgmma with 64 and 128
+    rows, barriers, masks) for CUDA: decode, tree verify, prefill with a sliding window; compiling
+    to a cubin and running need a GPU."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
+    fn = functools.partial(paged_attention_mosaic, sliding_window=window)
+    text = export.export(jax.jit(fn), platforms=("cuda",))(*_engine_shapes(jnp.bfloat16, T, tree)).mlir_module()
+    assert "mosaic_gpu" in text
+
+
+def test_kernels_reject_what_they_cannot_serve():
+    from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
+    from pallas_kernels.paged_attention_tpu import paged_attention_tpu
+    case = make_case(np.random.default_rng(0), "decode", page_size=4)
+    with pytest.raises(ValueError, match="bf16 / f16"):
+        jax.eval_shape(paged_attention_mosaic, *case.args)
+    with pytest.raises(ValueError, match="page_size 4 is not a multiple of 8"):
+        jax.eval_shape(paged_attention_tpu, *case.args)
+    with pytest.raises(ValueError, match="does not fit kv_pages"):
+        jax.eval_shape(paged_attention_pallas, case.q[..., :8], *case.args[1:])
