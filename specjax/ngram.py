@@ -43,10 +43,9 @@ def init_history(max_slots: int, width: int) -> jax.Array:
 
 
 def write_prompt(hist, slots, tokens, lens, first):
-    """Reset the rows of `slots` [B] (out of range: dropped) to the prompts tokens [B, T] of
+    """Reset the rows of `slots` [B] (out of range: dropped) to the prompts, tokens [B, T] of
     lengths lens [B] followed by the first sampled token first [B] at position lens."""
-    W = hist.shape[1]
-    B, T = tokens.shape
+    W, T = hist.shape[1], tokens.shape[1]
     tokens = jnp.pad(tokens, ((0, 0), (0, max(0, W - T))))[:, :W]  # [B, W]
     col = jnp.arange(W, dtype=jnp.int32)[None, :]
     rows = jnp.where(col < lens[:, None], tokens, jnp.where(col == lens[:, None], first[:, None], 0))
