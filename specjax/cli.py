@@ -28,7 +28,8 @@ FLAG_NAMES = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top
               "top_k": "--top-k", "seed": "--seed", "json_schema": "--json-schema", "regex": "--regex",
               "grammar": "--grammar", "choice": "--choice", "num_steps": "--num-steps", "topk": "--topk",
               "num_draft_tokens": "--num-draft-tokens", "tensor_parallel": "--tensor-parallel",
-              "max_seq_len": "--max-seq-len", "max_batch": "--max-batch"}
+              "max_seq_len": "--max-seq-len", "max_batch": "--max-batch", "ngram_max": "--ngram-max",
+              "ngram_min": "--ngram-min"}
 _API_PREFIX = re.compile(r"^(invalid SamplingParams: |SpecConfig: |SpecConfig\.)")
 _API_NAME = re.compile(r"\b(" + "|".join(FLAG_NAMES) + r")\b")
 
@@ -150,10 +151,13 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", default="auto", choices=["auto", "reference", "pallas", "mosaic_gpu", "tpu", "cudnn"],
                    help="paged-attention implementation (auto: the Mosaic GPU kernel on Hopper, the TPU kernel "
                         "on TPU, the jnp reference on the CPU; chosen once at start)")
-    g.add_argument("--speculate", action="store_true",
-                   help="speculative decoding with the EAGLE-3 head shipped for the default model")
+    g.add_argument("--speculate", nargs="?", const="head", choices=("head", "ngram"), default=None,
+                   help="speculative decoding: 'head' (also with no value) the EAGLE-3 head shipped for the "
+                   "default model; 'ngram' drafts copied from the prompt and output so far (prompt lookup, "
+                   "no weights, any model)")
     g.add_argument("--draft", metavar="DIR",
-                   help="speculative decoding with this draft: a converted EAGLE head or draft model, or 'self'")
+                   help="speculative decoding with this draft: a converted EAGLE head or draft model, 'self' "
+                   "or 'ngram'")
     g.add_argument("--num-steps", type=positive_int, default=4, help="tokens drafted per step")
     g.add_argument("--topk", type=positive_int, default=1, help="draft tree branching (1 = chain)")
     g.add_argument("--num-draft-tokens", type=positive_int, default=None,
@@ -162,20 +166,26 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                    help="KV compaction kernel of draft trees; auto: chosen once at start (a GPU kernel that "
                         "compiles, else the jnp reference); others are forced (an error if one does not "
                         "compile here). The engine's info line on stderr names the one that runs")
+    g.add_argument("--ngram-max", type=positive_int, default=4, help="n-gram drafter: longest suffix matched")
+    g.add_argument("--ngram-min", type=positive_int, default=1, help="n-gram drafter: shortest suffix matched")
 
 
 def check_model_arguments(a) -> None:
     """Refuse what cannot load (missing / unconverted directories, bad speculation settings) before
-    anything heavy runs; --speculate becomes --draft <the shipped head>."""
+    anything heavy runs; --speculate becomes --draft <the shipped head> (or "ngram")."""
     from specjax.checkpoint import CheckpointError, check_converted
-    if a.speculate and a.draft is None:
+    if a.speculate == "ngram":
+        if a.draft is not None:
+            raise UsageError("--speculate ngram drafts from the text itself: drop --draft")
+        a.draft = "ngram"
+    elif a.speculate and a.draft is None:
         if a.model is not None:
             raise UsageError("--speculate uses the EAGLE-3 head shipped for the default model; "
                              "with --model give --draft DIR")
         from specjax.assets import DEFAULT_HEAD_DIR
         a.draft = str(DEFAULT_HEAD_DIR)
     for flag, path, what in (("--model", a.model, "model"), ("--draft", a.draft, "draft")):
-        if path is not None and path != "self":
+        if path is not None and not (what == "draft" and path in ("self", "ngram")):
             try:
                 check_converted(path, what)
             except CheckpointError as e:
@@ -186,7 +196,7 @@ def check_model_arguments(a) -> None:
         from specjax.tree import SpecConfig
         try:
             a.spec = SpecConfig(method=draft_method(a.draft), num_steps=a.num_steps, topk=a.topk,
-                                num_draft_tokens=a.num_draft_tokens)
+                                num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max, ngram_min=a.ngram_min)
         except ValueError as e:
             raise UsageError(flag_message(str(e))) from None
 

@@ -1,4 +1,4 @@
-"""The three draft methods behind one small functional interface used by the fused step.
+"""The draft methods behind one small functional interface used by the fused step.
 
   "draft"   a Llama-family model sharing the target's vocabulary. Draft cache entry p holds
             token x_p (shift 0).
@@ -6,6 +6,9 @@
             hidden state at p (shift 1); it reuses the target's embedding and lm_head.
   "eagle3"  EAGLE-3 head: like EAGLE-1, but f_p fuses three target layers (fc 3E -> E) and the
             head has its own norm and lm_head over a draft vocabulary mapped to target ids.
+  "ngram"   no model: the continuation of the longest recent match of the last tokens in the
+            request's own text (specjax.ngram, on a token history kept in the step's state); the
+            functions below are not used for it.
 
 With shift s, a token at sequence position t sits at draft position (and draft cache index) t - s.
 While drafting, an EAGLE head feeds on its own output hidden state instead of f.
@@ -18,7 +21,7 @@ import jax.numpy as jnp
 
 from specjax.kv_cache import KVCache
 
-METHODS = ("draft", "eagle", "eagle3")
+METHODS = ("draft", "eagle", "eagle3", "ngram")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +36,16 @@ class DraftInfo:
 
     @property
     def shift(self) -> int:
-        return 0 if self.method == "draft" else 1
+        return 1 if self.method in ("eagle", "eagle3") else 0
 
     @property
     def uses_features(self) -> bool:
-        return self.method != "draft"
+        return self.method in ("eagle", "eagle3")
+
+    @property
+    def has_model(self) -> bool:
+        """False for the n-gram drafter (no weights, no draft KV cache)."""
+        return self.method != "ngram"
 
 
 def lm_head_weight(target):

@@ -65,9 +65,10 @@ class BatchOptions:
 @dataclasses.dataclass(frozen=True)
 class Draft:
     """A speculative-decoding draft: a Llama-family model with the target's vocabulary
-    (info.method "draft") or an EAGLE-1 / EAGLE-3 head, with its tree configuration."""
-    model: nnx.Module
-    kv_cfg: object  # ModelConfig giving the draft's KV layout (num_layers, num_kv_heads, head_dim)
+    (info.method "draft"), an EAGLE-1 / EAGLE-3 head, or the n-gram drafter (info.method "ngram",
+    model and kv_cfg None), with its tree configuration."""
+    model: nnx.Module | None
+    kv_cfg: object  # ModelConfig giving the draft's KV layout (num_layers, num_kv_heads, head_dim); None: no KV
     info: object  # specjax.drafter.DraftInfo
     spec: object  # specjax.tree.SpecConfig
 
@@ -124,7 +125,7 @@ class Engine:
             tp = mesh.shape[sharding.AXIS]
             rules = sharding.resolve_rules(cfg, tp)
             sharding.shard_model(model, mesh, rules)
-            if draft is not None and draft.model is not model:
+            if draft is not None and draft.model is not None and draft.model is not model:
                 sharding.shard_model(draft.model, mesh, sharding.resolve_rules(draft.kv_cfg, tp))
         model, draft = self._choose_attention(attention, model, cfg, draft, cache_opts.page_size, dtype, mesh)
         self.draft = draft
@@ -147,8 +148,9 @@ class Engine:
         if draft is None:
             self.steps, self.weights = prog.plain_programs(*nnx.split(model))
         else:
+            dsplit = (None, None) if draft.model is None else nnx.split(draft.model)  # None: n-gram, no model
             self.spec_steps, self.weights, self.draft_weights = prog.spec_programs(
-                draft.info, draft.spec, *nnx.split(model), *nnx.split(draft.model), kernels=self.kernels)
+                draft.info, draft.spec, *nnx.split(model), *dsplit, kernels=self.kernels)
         slot_len = self.sched.capacity  # cache entries one slot addresses
 
         def make_state():
@@ -158,8 +160,9 @@ class Engine:
                 from specjax.decode import DecodeState
                 return DecodeState(cache, jnp.zeros((batch_opts.max_batch,), jnp.int32))
             from specjax.step import init_spec_state
-            dkv = init_cache(draft.kv_cfg, num_pages=num_pages, page_size=cache_opts.page_size,
-                             max_slots=batch_opts.max_batch, max_seq_len=slot_len, dtype=dtype).kv
+            dkv = [] if draft.kv_cfg is None else init_cache(
+                draft.kv_cfg, num_pages=num_pages, page_size=cache_opts.page_size, max_slots=batch_opts.max_batch,
+                max_seq_len=slot_len, dtype=dtype).kv
             return init_spec_state(cache, dkv, draft.spec, cfg.vocab_size)
 
         self.samp: SamplingArrays = prog.init_samp(batch_opts.max_batch)  # per slot, on the device

@@ -1,15 +1,25 @@
 """Acceptance and speed-up of speculative decoding over prompt sets (`specjax eval`).
 
-For each prompt file (category = file stem; default: the six sets in data/prompts/), the same
-prompts run greedily with plain decoding and with speculative decoding (a draft directory):
-  tau        mean acceptance length = tokens emitted per speculative step (incl. the bonus token),
-             over all steps of the category; per-prompt values give its distribution
-  tok/s      generated tokens / wall time around generate (after a warm-up that compiles every
-             prompt-length bucket and the decode programs), plain and speculative; speed-up = ratio
-  identical  prompts whose speculative output equals the plain output (greedy is lossless; bf16
-             numerics of a verify step can differ from a decode step's in rare near-ties)
-Optionally, HF transformers' greedy `generate` on the same prompts (torch; GPU when available),
-loading the model from its GGUF file.
+For each prompt file (category = file stem; default: the six shipped sets in specjax/assets/prompts)
+the same prompts run greedily with plain decoding and with speculative decoding, and both generate
+the same number of tokens per prompt (max_tokens with EOS ignored; fewer only where the context
+ends), so that their times compare equal work. The drafter: the EAGLE-3 head shipped for the default model
+(--speculate head, the default), the n-gram drafter (--speculate ngram: prompt lookup, no weights)
+or a draft directory (--draft).
+  tau         mean acceptance length = tokens emitted per speculative step (incl. the bonus token),
+              over all steps of the category; per-prompt values give its distribution
+  tau to EOS  tau over the steps that produced each response up to its first EOS in the plain
+              output (the timed runs go on past EOS; this is what a user stopping at EOS sees)
+  acc@k       fraction of steps that accept >= k drafted tokens, k = 1 .. num_steps
+  tok/s       generated tokens / wall time around generate (after a warm-up that compiles every
+              prompt-length bucket and the decode programs), plain and speculative; speed-up = ratio
+  identical   prompts whose speculative output equals the plain output (greedy is lossless; bf16
+              numerics of a verify step can differ from a decode step's in rare near-ties)
+Optionally (--hf-baseline), HF transformers on the same prompt ids, the same number of new tokens
+(EOS ignored) and the same machine (torch; GPU when available), loading the model from its GGUF
+file: greedy `generate`, and prompt-lookup decoding (`generate(prompt_lookup_num_tokens=K,
+max_matching_ngram_size=n)`), the peer of the n-gram drafter.
+A CPU run of the defaults takes hours: `--quick` is a short one (a warning says so).
 Outputs: a markdown table (stdout and --markdown), a PNG (tau per category + speed-up bars), --json.
 """
 from __future__ import annotations
@@ -20,9 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PROMPTS_DIR = REPO_ROOT / "data" / "prompts"
-DEFAULT_SETS = ("mt_bench", "gsm8k", "humaneval", "alpaca", "qa", "sum")
+from specjax.assets import PROMPT_SETS as DEFAULT_SETS, PROMPTS_DIR  # the shipped prompt sets
+
+MAX_TOKENS = 256
+QUICK_LIMIT, QUICK_TOKENS = 3, 32  # --quick: prompts per set, new tokens per prompt
+CPU_TOKENS_PER_S = 10.0  # rough decode rate of the default model on a CPU, for the size warning
+CPU_WARN_TOKENS = 5000  # warn on a CPU above this many generated tokens
 
 
 def load_sets(files: list[str] | None = None, limit: int | None = None) -> dict[str, list[str]]:
@@ -58,31 +71,54 @@ def _ids(llm, texts, chat: bool) -> list[list[int]]:
     return out
 
 
+def response_steps(accept: list[int], tokens: list[int], eos: tuple[int, ...]) -> int:
+    """Speculative steps that produced the response up to its first EOS (tokens: the plain output;
+    the prefill emits the first token, step i emits accept[i]); all steps when there is no EOS."""
+    end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+    done = 1
+    for i, a in enumerate(accept):
+        if done >= end:
+            return i
+        done += a
+    return len(accept)
+
+
+def acceptance(accepts: list[list[int]], num_steps: int) -> dict:
+    """tau and acc@1..num_steps over every step of the given requests (n = drafts accepted + 1)."""
+    steps = [a for acc in accepts for a in acc]
+    if not steps:
+        return {"tau": float("nan"), "spec_steps": 0, "acc": [float("nan")] * num_steps}
+    return {"tau": sum(steps) / len(steps), "spec_steps": len(steps),
+            "acc": [sum(a - 1 >= k for a in steps) / len(steps) for k in range(1, num_steps + 1)]}
+
+
 def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: int = 4, topk: int = 1,
-             num_draft_tokens: int | None = None, max_batch: int = 1, max_tokens: int = 256,
-             dtype: str = "bfloat16", max_seq_len: int = 2048, chat: bool | None = None,
-             warmup_tokens: int = 8, log=print) -> dict:
-    """Plain vs speculative greedy decoding per category -> summary dict (see module doc)."""
+             num_draft_tokens: int | None = None, ngram_max: int = 4, ngram_min: int = 1, max_batch: int = 1,
+             max_tokens: int = MAX_TOKENS, dtype: str = "auto", max_seq_len: int = 2048,
+             chat: bool | None = None, warmup_tokens: int = 8, log=print) -> dict:
+    """Plain vs speculative greedy decoding per category, the same tokens per prompt (EOS ignored)
+    -> summary dict (see module doc). draft: a draft directory, "self" or "ngram"."""
     from specjax import LLM, SamplingParams
     from specjax.llm import draft_method
     from specjax.tree import SpecConfig
 
     t0 = time.perf_counter()
     spec_cfg = SpecConfig(method=draft_method(draft), num_steps=num_steps, topk=topk,
-                          num_draft_tokens=num_draft_tokens)
+                          num_draft_tokens=num_draft_tokens, ngram_max=ngram_max, ngram_min=ngram_min)
     plain = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len)
     spec = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len, draft=draft, spec=spec_cfg)
     chat = bool(plain.tokenizer.chat_template) if chat is None else chat
     ids = {c: [p for p in _ids(plain, ps, chat) if len(p) + 1 < max_seq_len] for c, ps in sets.items()}
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)  # equal work
     log(f"[eval] models loaded in {time.perf_counter() - t0:.1f}s; warming up")
     t1 = time.perf_counter()
     every = [p for ps in ids.values() for p in ps]
     first = every[:1]
     for llm in (plain, spec):  # compile every prefill bucket and the decode programs
-        _run(llm, every, SamplingParams(max_tokens=warmup_tokens, temperature=0.0))
+        _run(llm, every, SamplingParams(max_tokens=warmup_tokens, temperature=0.0, ignore_eos=True))
         _run(llm, first, params)
     log(f"[eval] warm-up {time.perf_counter() - t1:.1f}s")
+    eos = plain.eos_ids
     cats = {}
     for c, ps in ids.items():
         tp = time.perf_counter()
@@ -96,33 +132,47 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
         n_p = sum(len(res_p[i][0].token_ids) for i in ok)
         n_s = sum(len(res_s[i][0].token_ids) for i in ok)
         acc = [res_s[i][1] for i in ok]
-        steps = sum(len(a) for a in acc)
+        upto = [acc[j][: response_steps(acc[j], res_p[i][0].token_ids, eos)] for j, i in enumerate(ok)]
         cats[c] = {"prompts": len(ok), "tokens_plain": n_p, "tokens_spec": n_s,
                    "seconds_plain": round(tp, 4), "seconds_spec": round(ts, 4),
                    "tok_s_plain": n_p / tp if tp > 0 else 0.0, "tok_s_spec": n_s / ts if ts > 0 else 0.0,
-                   "tau": sum(map(sum, acc)) / steps if steps else float("nan"), "spec_steps": steps,
+                   **acceptance(acc, num_steps), "tau_to_eos": acceptance(upto, num_steps)["tau"],
+                   "steps_to_eos": sum(map(len, upto)),
                    "tau_per_prompt": [sum(a) / len(a) for a in acc if a],
                    "identical": sum(res_p[i][0].token_ids == res_s[i][0].token_ids for i in ok)}
         cats[c]["speedup"] = cats[c]["tok_s_spec"] / cats[c]["tok_s_plain"] if cats[c]["tok_s_plain"] else 0.0
-        log(f"[eval] {c}: tau {cats[c]['tau']:.3f}, plain {cats[c]['tok_s_plain']:.1f} tok/s, "
-            f"spec {cats[c]['tok_s_spec']:.1f} tok/s, speed-up {cats[c]['speedup']:.2f}x")
+        log(f"[eval] {c}: tau {cats[c]['tau']:.3f} (to EOS {cats[c]['tau_to_eos']:.3f}), plain "
+            f"{cats[c]['tok_s_plain']:.1f} tok/s, spec {cats[c]['tok_s_spec']:.1f} tok/s, speed-up "
+            f"{cats[c]['speedup']:.2f}x")
     tot = {k: sum(v[k] for v in cats.values()) for k in ("prompts", "tokens_plain", "tokens_spec", "seconds_plain",
-                                                       "seconds_spec", "spec_steps", "identical")}
-    tot["tau"] = sum(v["tau"] * v["spec_steps"] for v in cats.values() if v["spec_steps"]) / max(tot["spec_steps"], 1)
+                                                       "seconds_spec", "spec_steps", "steps_to_eos", "identical")}
+
+    def weighted(key, by):
+        return sum(v[key] * v[by] for v in cats.values() if v[by]) / max(tot[by], 1)
+    tot["tau"] = weighted("tau", "spec_steps")
+    tot["tau_to_eos"] = weighted("tau_to_eos", "steps_to_eos")
+    tot["acc"] = [sum(v["acc"][k] * v["spec_steps"] for v in cats.values() if v["spec_steps"]) / max(tot["spec_steps"], 1)
+                  for k in range(num_steps)]
     tot["tok_s_plain"] = tot["tokens_plain"] / tot["seconds_plain"] if tot["seconds_plain"] else 0.0
     tot["tok_s_spec"] = tot["tokens_spec"] / tot["seconds_spec"] if tot["seconds_spec"] else 0.0
     tot["speedup"] = tot["tok_s_spec"] / tot["tok_s_plain"] if tot["tok_s_plain"] else 0.0
     import jax
     settings = {"model": str(plain.model_dir), "draft": str(draft), "method": spec_cfg.method,
                 "num_steps": num_steps, "topk": topk, "num_draft_tokens": spec_cfg.num_draft_tokens,
-                "max_batch": max_batch, "max_tokens": max_tokens, "dtype": dtype, "chat": chat,
+                "max_batch": max_batch, "max_tokens": max_tokens, "ignore_eos": True, "dtype": plain.dtype, "chat": chat,
                 "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend()}
+    if spec_cfg.method == "ngram":
+        settings.update(ngram_max=ngram_max, ngram_min=ngram_min)
     return {"settings": settings, "categories": cats, "overall": tot, "prompt_ids": ids}
 
 
+# ----------------------------------------------------------------------------- HF transformers peer
+
+
 def hf_baseline(gguf: str | Path, ids: dict[str, list[list[int]]], max_tokens: int, device: str = "auto",
-                eos: tuple[int, ...] = (), log=print) -> dict:
-    """HF transformers greedy generate (batch 1) over the same prompt ids -> tok/s per category."""
+                lookup_tokens: int = 10, lookup_ngram: int = 2, log=print) -> dict:
+    """HF transformers, model loaded from its GGUF file: hf_timings on `device` (auto: cuda if
+    torch sees a GPU), bfloat16 on a GPU, float32 on the CPU."""
     import torch
     import transformers
 
@@ -130,49 +180,106 @@ def hf_baseline(gguf: str | Path, ids: dict[str, list[list[int]]], max_tokens: i
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
     model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
-    model = model.to(dev).eval()
-    kw = dict(do_sample=False, max_new_tokens=max_tokens, eos_token_id=list(eos) or None,
-              pad_token_id=(list(eos) or [0])[0])
+    out = hf_timings(model.to(dev).eval(), ids, max_tokens, lookup_tokens, lookup_ngram, log)
+    return {"device": dev, "dtype": str(dtype).replace("torch.", ""), "gguf": str(gguf), **out}
 
-    def gen(p):
+
+def hf_timings(model, ids: dict[str, list[list[int]]], max_tokens: int, lookup_tokens: int = 10,
+               lookup_ngram: int = 2, log=print) -> dict:
+    """HF `generate` at batch 1, greedy, exactly max_tokens new tokens per prompt (EOS ignored, as
+    in run_eval): plain, then prompt-lookup decoding (prompt_lookup_num_tokens=lookup_tokens,
+    max_matching_ngram_size=lookup_ngram; lookup_tokens 0: plain only) -> tok/s per category;
+    identical_lookup counts prompts where both give the same tokens (greedy lookup is lossless)."""
+    import copy
+
+    import torch
+
+    dev = str(model.device)
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id = []  # equal work: no early stop (None would fall back to the model's EOS)
+    gc.do_sample, gc.max_new_tokens, gc.min_new_tokens = False, max_tokens, None
+    if gc.pad_token_id is None:
+        gc.pad_token_id = 0
+    for k in ("temperature", "top_p", "top_k"):  # greedy: no sampling settings (HF warns otherwise)
+        setattr(gc, k, None)
+    modes = {"plain": gc}
+    if lookup_tokens:
+        modes["lookup"] = copy.deepcopy(gc)
+        modes["lookup"].prompt_lookup_num_tokens = lookup_tokens
+        modes["lookup"].max_matching_ngram_size = lookup_ngram
+
+    def gen(p, config):
         x = torch.tensor([p], device=dev)
         with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), **kw)
+            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
         if dev.startswith("cuda"):
             torch.cuda.synchronize()
-        return out.shape[1] - x.shape[1]
+        return out[0, x.shape[1]:].tolist()
 
     first = next(p for ps in ids.values() for p in ps)
-    gen(first)  # warm-up
+    for config in modes.values():
+        gen(first, config)  # warm-up
     cats = {}
     for c, ps in ids.items():
-        t = time.perf_counter()
-        n = sum(gen(p) for p in ps)
-        s = time.perf_counter() - t
-        cats[c] = {"tokens": n, "seconds": round(s, 4), "tok_s": n / s if s > 0 else 0.0}
-        log(f"[eval] HF {c}: {cats[c]['tok_s']:.1f} tok/s")
-    n, s = sum(v["tokens"] for v in cats.values()), sum(v["seconds"] for v in cats.values())
-    return {"device": dev, "dtype": str(dtype).replace("torch.", ""), "gguf": str(gguf), "categories": cats,
-            "overall": {"tokens": n, "seconds": s, "tok_s": n / s if s else 0.0}}
+        outs, secs = {}, {}
+        for mode, config in modes.items():
+            t = time.perf_counter()
+            outs[mode] = [gen(p, config) for p in ps]
+            secs[mode] = time.perf_counter() - t
+        n = sum(map(len, outs["plain"]))
+        cats[c] = {"tokens": n, "seconds": round(secs["plain"], 4), "tok_s": n / secs["plain"] if secs["plain"] else 0.0}
+        if "lookup" in outs:
+            nl = sum(map(len, outs["lookup"]))
+            cats[c].update(tokens_lookup=nl, seconds_lookup=round(secs["lookup"], 4),
+                           tok_s_lookup=nl / secs["lookup"] if secs["lookup"] else 0.0,
+                           identical_lookup=sum(a == b for a, b in zip(outs["plain"], outs["lookup"])))
+            cats[c]["speedup_lookup"] = cats[c]["tok_s_lookup"] / cats[c]["tok_s"] if cats[c]["tok_s"] else 0.0
+        log(f"[eval] HF {c}: {cats[c]['tok_s']:.1f} tok/s" + (
+            f", prompt lookup {cats[c]['tok_s_lookup']:.1f} tok/s ({cats[c]['speedup_lookup']:.2f}x)"
+            if "lookup" in outs else ""))
+    overall = {k: sum(v[k] for v in cats.values()) for k in ("tokens", "seconds")}
+    overall["tok_s"] = overall["tokens"] / overall["seconds"] if overall["seconds"] else 0.0
+    if lookup_tokens:
+        overall.update({k: sum(v[k] for v in cats.values()) for k in ("tokens_lookup", "seconds_lookup",
+                                                                     "identical_lookup")})
+        overall["tok_s_lookup"] = overall["tokens_lookup"] / overall["seconds_lookup"] if overall["seconds_lookup"] else 0.0
+        overall["speedup_lookup"] = overall["tok_s_lookup"] / overall["tok_s"] if overall["tok_s"] else 0.0
+    return {"max_tokens": max_tokens, "lookup_tokens": lookup_tokens, "lookup_ngram": lookup_ngram,
+            "categories": cats, "overall": overall}
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def _x(a, b) -> str:
+    return f"{a / b:.2f}x" if b else "-"
 
 
 def markdown(summary: dict) -> str:
     s, hf = summary["settings"], summary.get("hf")
-    head = ["category", "prompts", "τ (tokens/step)", "plain tok/s", "spec tok/s", "speed-up", "identical"]
+    k = s["num_steps"]
+    head = ["category", "prompts", "τ (tokens/step)", "τ to EOS", f"acc@1..{k}", "plain tok/s", "spec tok/s",
+            "speed-up", "identical"]
+    lookup = bool(hf) and "tok_s_lookup" in hf["overall"]
     if hf:
-        head += ["HF tok/s", "plain / HF", "spec / HF"]
+        head += ["HF tok/s"] + (["HF lookup tok/s", "HF lookup speed-up"] if lookup else []) + ["plain / HF"]
+        head += ["spec / HF lookup"] if lookup else ["spec / HF"]
     rows = [(c, v) for c, v in summary["categories"].items()] + [("**overall**", summary["overall"])]
-    lines = [f"Speculative decoding with `{s['draft']}` ({s['method']}, {s['num_steps']} steps, topk {s['topk']}, "
-             f"{s['num_draft_tokens']} draft tokens) on `{s['model']}` ({s['dtype']}), greedy, batch "
-             f"{s['max_batch']}, max {s['max_tokens']} new tokens, {s['device']}.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ngram = f", n-gram {s['ngram_max']}..{s['ngram_min']}" if s["method"] == "ngram" else ""
+    lines = [f"Speculative decoding with `{s['draft']}` ({s['method']}{ngram}, {s['num_steps']} steps, topk "
+             f"{s['topk']}, {s['num_draft_tokens']} draft tokens) on `{s['model']}` ({s['dtype']}), greedy, batch "
+             f"{s['max_batch']}, {s['max_tokens']} new tokens per prompt (EOS ignored: equal work), {s['device']}.",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c, v in rows:
-        cells = [c, str(v["prompts"]), f"{v['tau']:.2f}", f"{v['tok_s_plain']:.1f}", f"{v['tok_s_spec']:.1f}",
-                 f"{v['speedup']:.2f}x", f"{v['identical']}/{v['prompts']}"]
+        acc = "/".join(f"{a:.2f}" for a in v.get("acc", []))
+        cells = [c, str(v["prompts"]), f"{v['tau']:.2f}", f"{v.get('tau_to_eos', float('nan')):.2f}", acc,
+                 f"{v['tok_s_plain']:.1f}", f"{v['tok_s_spec']:.1f}", f"{v['speedup']:.2f}x",
+                 f"{v['identical']}/{v['prompts']}"]
         if hf:
             h = hf["overall"] if c == "**overall**" else hf["categories"].get(c, {})
-            hs = h.get("tok_s", 0.0)
-            cells += [f"{hs:.1f}"] + [f"{v[k] / hs:.1f}x" if hs else "-" for k in ("tok_s_plain", "tok_s_spec")]
+            hs, hl = h.get("tok_s", 0.0), h.get("tok_s_lookup", 0.0)
+            cells += [f"{hs:.1f}"] + ([f"{hl:.1f}", _x(hl, hs)] if lookup else []) + [_x(v["tok_s_plain"], hs)]
+            cells += [_x(v["tok_s_spec"], hl)] if lookup else [_x(v["tok_s_spec"], hs)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -208,47 +315,106 @@ def plot(summary: dict, png: str | Path) -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specjax.cli import HelpFormatter
+    from specjax.machine import DTYPE_CHOICES
+    p.formatter_class = HelpFormatter  # --help shows the defaults (also for scripts/eval_acceptance.py)
     p.add_argument("--model", default=None, help="converted model dir (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", required=True, help="draft directory (EAGLE head, draft model) or 'self'")
+    p.add_argument("--speculate", choices=("head", "ngram"), default=None,
+                   help="drafter: 'head' the EAGLE-3 head shipped for the default model, 'ngram' drafts copied "
+                   "from the prompt and output so far (prompt lookup, no weights) (default: head, unless --draft)")
+    p.add_argument("--draft", default=None,
+                   help="a draft directory instead (EAGLE head, draft model), or 'self' / 'ngram'")
     p.add_argument("--prompts", nargs="+", default=None,
-                   help="jsonl prompt files, one category each (default: the six sets in data/prompts/)")
-    p.add_argument("--limit", type=int, default=None, help="first N prompts of each file")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--max-batch", type=int, default=1)
-    p.add_argument("--num-steps", type=int, default=4)
-    p.add_argument("--topk", type=int, default=1)
-    p.add_argument("--num-draft-tokens", type=int, default=None)
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--warmup-tokens", type=int, default=8)
+                   help="jsonl prompt files, one category each (default: the six shipped sets)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a short run: the first {QUICK_LIMIT} prompts of each set, {QUICK_TOKENS} new tokens each")
+    p.add_argument("--limit", type=int, default=None,
+                   help=f"first N prompts of each file (default: all; {QUICK_LIMIT} with --quick)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"new tokens per prompt, the same for plain and speculative decoding (EOS ignored) "
+                   f"(default: {MAX_TOKENS}; {QUICK_TOKENS} with --quick)")
+    p.add_argument("--max-batch", type=int, default=1, help="requests decoded together")
+    p.add_argument("--num-steps", type=int, default=4, help="tokens drafted per step (tree depth)")
+    p.add_argument("--topk", type=int, default=1, help="draft tree branching (1 = chain)")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="draft tree size (default: num_steps for a chain, num_steps * topk for a tree)")
+    p.add_argument("--ngram-max", type=int, default=4, help="n-gram drafter: longest suffix matched")
+    p.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest suffix matched")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="compute dtype; auto: float32 on the CPU, bfloat16 on GPUs and TPUs")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="context length")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="tokens per prompt of the compiling warm-up")
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("--json", help="write the summary as JSON")
     p.add_argument("--markdown", help="write the table as markdown")
     p.add_argument("--png", help="write the plot (τ distribution, speed-up)")
-    p.add_argument("--hf-baseline", action="store_true", help="also time HF transformers' greedy generate")
+    p.add_argument("--hf-baseline", action="store_true",
+                   help="also time HF transformers on the same prompts and tokens: greedy generate and "
+                   "prompt-lookup decoding")
+    p.add_argument("--hf-lookup-tokens", type=int, default=10,
+                   help="HF prompt lookup: prompt_lookup_num_tokens (0: no prompt-lookup run)")
+    p.add_argument("--hf-lookup-ngram", type=int, default=2, help="HF prompt lookup: max_matching_ngram_size")
     p.add_argument("--gguf", default=None, help="GGUF file for --hf-baseline (default: the default model's)")
-    p.add_argument("--hf-device", default="auto")
+    p.add_argument("--hf-device", default="auto", help="torch device of --hf-baseline (auto: cuda if available)")
+
+
+def resolve(a) -> None:
+    """Fill the defaults that depend on other options: the draft (--speculate / --draft), --quick's
+    limit and tokens. Raises ValueError for contradicting options."""
+    if a.draft is not None and a.speculate is not None:
+        raise ValueError("give --speculate or --draft, not both")
+    if a.speculate == "ngram":
+        a.draft = "ngram"
+    elif a.draft is None:
+        if a.model is not None:
+            raise ValueError("the shipped EAGLE-3 head (--speculate head) is for the default model; with --model "
+                             "give --draft DIR or --speculate ngram")
+        from specjax.assets import DEFAULT_HEAD_DIR
+        a.draft = str(DEFAULT_HEAD_DIR)
+    if a.limit is None and a.quick:
+        a.limit = QUICK_LIMIT
+    if a.max_tokens is None:
+        a.max_tokens = QUICK_TOKENS if a.quick else MAX_TOKENS
+
+
+def size_warning(sets: dict[str, list[str]], max_tokens: int, backend: str, hf: bool = False) -> str | None:
+    """A warning when the run is long for a CPU (None on accelerators or for small runs)."""
+    prompts = sum(map(len, sets.values()))
+    tokens = prompts * max_tokens * (4 if hf else 2)  # plain + speculative (+ HF plain + lookup)
+    if backend != "cpu" or tokens <= CPU_WARN_TOKENS:
+        return None
+    minutes = tokens / CPU_TOKENS_PER_S / 60
+    return (f"[eval] warning: this runs on the CPU: {prompts} prompts x {max_tokens} tokens, plain and speculative"
+            f"{' and HF' if hf else ''} ({tokens} generated tokens) take about {minutes:.0f} min at ~"
+            f"{CPU_TOKENS_PER_S:.0f} tokens/s; --quick runs {QUICK_LIMIT} prompts per set with {QUICK_TOKENS} "
+            "tokens (or pass --limit / --max-tokens)")
 
 
 def cmd_eval(a) -> int:
+    resolve(a)
     if a.hf_baseline:  # fail before the long run
         _gguf(a)
     sets = load_sets(a.prompts, a.limit)
 
     def log(m):
         print(m, file=sys.stderr, flush=True)
+    import jax
+    warning = size_warning(sets, a.max_tokens, jax.default_backend(), a.hf_baseline)
+    if warning:
+        log(warning)
     summary = run_eval(sets, model=a.model, draft=a.draft, num_steps=a.num_steps, topk=a.topk,
-                       num_draft_tokens=a.num_draft_tokens, max_batch=a.max_batch, max_tokens=a.max_tokens,
-                       dtype=a.dtype, max_seq_len=a.max_seq_len, chat=False if a.raw else None,
-                       warmup_tokens=a.warmup_tokens, log=log)
+                       num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max, ngram_min=a.ngram_min,
+                       max_batch=a.max_batch, max_tokens=a.max_tokens, dtype=a.dtype, max_seq_len=a.max_seq_len,
+                       chat=False if a.raw else None, warmup_tokens=a.warmup_tokens, log=log)
     ids = summary.pop("prompt_ids")
     if a.hf_baseline:
-        from specjax.checkpoint import load_config
-        from specjax.default_model import ensure_default
-        cfg = load_config(a.model or ensure_default())
-        summary["hf"] = hf_baseline(_gguf(a), ids, a.max_tokens, a.hf_device, cfg.eos_token_ids, log)
-        summary["overall"]["speedup_vs_hf"] = summary["overall"]["tok_s_spec"] / max(summary["hf"]["overall"]["tok_s"], 1e-9)
-        summary["overall"]["plain_vs_hf"] = summary["overall"]["tok_s_plain"] / max(summary["hf"]["overall"]["tok_s"], 1e-9)
+        hf = summary["hf"] = hf_baseline(_gguf(a), ids, a.max_tokens, a.hf_device, a.hf_lookup_tokens,
+                                         a.hf_lookup_ngram, log)
+        o = summary["overall"]
+        o["speedup_vs_hf"] = o["tok_s_spec"] / max(hf["overall"]["tok_s"], 1e-9)
+        o["plain_vs_hf"] = o["tok_s_plain"] / max(hf["overall"]["tok_s"], 1e-9)
+        if "tok_s_lookup" in hf["overall"]:
+            o["speedup_vs_hf_lookup"] = o["tok_s_spec"] / max(hf["overall"]["tok_s_lookup"], 1e-9)
     table = markdown(summary)
     print(table)
     if a.markdown:

@@ -36,10 +36,12 @@ class StreamDelta:
 
 def draft_method(draft) -> str:
     """The SpecConfig.method a draft needs: "eagle" / "eagle3" for a converted head directory,
-    "draft" for a draft model directory or "self"."""
+    "draft" for a draft model directory or "self", "ngram" for "ngram"."""
     import json
 
     from specjax.checkpoint import MARKER
+    if draft == "ngram":
+        return "ngram"
     marker = Path(draft) / MARKER
     if draft != "self" and marker.exists():
         kind = json.loads(marker.read_text()).get("kind", "draft")
@@ -54,10 +56,12 @@ class LLM:
                  draft: str | Path | None = None, spec=None, tensor_parallel: int = 1,
                  scheduler: SchedulerOptions | None = None, kv_compact_impl: str = "auto", attention="auto"):
         """dtype: "auto" (float32 on the CPU, bfloat16 on GPUs and TPUs), "bfloat16" or "float32".
-        draft: None (plain decoding), "self" (the target drafts for itself: for testing), the
+        draft: None (plain decoding), "self" (the target drafts for itself: for testing), "ngram"
+        (prompt lookup: drafts copied from the request's own text, no weights; specjax.ngram), the
         directory of a converted Llama-family draft model with the target's vocabulary, or of a
         converted EAGLE-1 / EAGLE-3 head (`specjax convert --draft`).
-        spec: specjax.tree.SpecConfig (default: a chain of 4 drafted tokens with the draft's method).
+        spec: specjax.tree.SpecConfig (default: a chain of 4 drafted tokens with the draft's method);
+        SpecConfig(method="ngram", ...) without a draft selects the n-gram drafter.
         tensor_parallel: shard heads / MLP / vocabulary / KV heads over this many devices.
         scheduler: SchedulerOptions (default: the one-step-behind async loop, grammar overlap on).
         kv_compact_impl: KV compaction of accepted tree paths: "auto" (chosen once at start: a GPU
@@ -71,12 +75,17 @@ class LLM:
         from specjax.checkpoint import check_converted, load_model, load_tokenizer
         from specjax.machine import log_backend, resolve_dtype
         dtype = resolve_dtype(dtype)
+        if draft is None and spec is not None:
+            if spec.method != "ngram":
+                raise ValueError(f"SpecConfig(method={spec.method!r}) needs a draft (LLM(draft=...)); only "
+                                 "method='ngram' drafts without one")
+            draft = "ngram"
         log_backend()
         if model is None:
             from specjax.default_model import ensure_default
             model = ensure_default()
         self.model_dir = check_converted(model, "model")
-        if draft is not None and draft != "self":
+        if draft is not None and draft not in ("self", "ngram"):
             check_converted(draft, "draft")
         self.dtype = dtype
         mesh = None
@@ -109,6 +118,8 @@ class LLM:
         if self.spec.method != kind:
             raise ValueError(f"SpecConfig.method={self.spec.method!r} but the draft "
                              f"{'(the target itself)' if draft == 'self' else str(draft)} is a {kind!r} draft")
+        if kind == "ngram":
+            return Draft(None, None, DraftInfo("ngram"), self.spec)
         if kind != "draft":
             from specjax.checkpoint import load_draft
             head, ecfg = load_draft(draft, self.cfg, dtype)

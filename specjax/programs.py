@@ -99,7 +99,8 @@ def _trees(state, slots):
 
 def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, draft_params,
                   kernels: Kernels = Kernels()):
-    """-> (SpecPrograms, target weights, draft weights). kernels: the implementations to run."""
+    """-> (SpecPrograms, target weights, draft weights). kernels: the implementations to run. No draft
+    model (the n-gram drafter): draft_graphdef and draft_params None, draft weights []."""
     tw0, tunflat = _binder(target_params)
     dw0, dunflat = _binder(draft_params)
 
@@ -122,7 +123,7 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         return (ver.logits, ver.h, ver.aux), dataclasses.replace(state, cache=ver.cache)
 
     def finish(tw, dw, state, verified, samp_all, slots, active, mask, *, want_logprobs, stochastic):
-        target, draft = nnx.merge(target_graphdef, tunflat(tw)), nnx.merge(draft_graphdef, dunflat(dw))
+        target, draft = nnx.merge(target_graphdef, tunflat(tw)), step_lib.merge_draft(draft_graphdef, dunflat(dw))
         logits, h, aux = verified
         ver = step_lib.Verified(logits=logits, h=h, aux=aux, cache=state.cache)
         samp = _take_rows(samp_all, slots)

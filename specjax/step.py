@@ -24,6 +24,11 @@ Per slot (see specjax.drafter for the draft methods and their shift s):
 Inactive rows write only to the trash page and keep their state; rows whose slot is >= max_slots
 are padding (reads clamp, updates drop).
 
+The n-gram drafter (info.method "ngram", specjax.ngram) has no model: the state keeps each slot's
+tokens x_0 .. x_L (SpecState.history; prefill writes the prompt and the first token, each step
+appends its emitted tokens) and the next tree is looked up in them; draft_kv is empty and
+draft_seq_lens unused. Its drafts are point masses (draft_probs None).
+
 Penalties (SpecState.penalties set; specjax.penalties): acceptance sees the target's logits after
 each node penalised with the slot's counts plus the tokens on the node's path, i.e. exactly what
 plain decoding would sample from, so speculation stays lossless; the emitted tokens are counted
@@ -43,7 +48,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.kv_compact import kv_compact
-from specjax import decode, drafter, sampling, tree as tree_lib, verify
+from specjax import decode, drafter, ngram, sampling, tree as tree_lib, verify
 from specjax import penalties as pen_lib
 from specjax.drafter import DraftInfo
 from specjax.kernels import Kernels
@@ -66,6 +71,7 @@ class SpecState:
     tree_depth: jax.Array  # [max_slots, N] int32
     draft_probs: jax.Array | None  # [max_slots, N, V] float32: proposal of each chain node (sampling)
     penalties: PenaltyState | None = None  # None: no penalties (compiled out)
+    history: jax.Array | None = None  # [max_slots, W] int32 tokens x_0 .. x_L (n-gram drafter only)
 
 
 @jax.tree_util.register_dataclass
@@ -81,19 +87,25 @@ class SpecOut:
 
 def init_spec_state(cache: KVCache, draft_kv: list, spec: SpecConfig, vocab_size: int,
                     sample_drafts: bool = True, penalties: PenaltyState | None = None) -> SpecState:
-    """Empty state around a target cache and draft pages (same page count / page size).
-    sample_drafts: keep chain proposals for speculative sampling (chains only).
+    """Empty state around a target cache and draft pages (same page count / page size; [] for the
+    n-gram drafter). sample_drafts: keep chain proposals for speculative sampling (chains of a
+    draft model or head; n-gram drafts are point masses).
     penalties: a penalty state (penalties.init_penalty_state(max_slots, vocab_size)) or None."""
     S = cache.seq_lens.shape[0]
     N = spec.num_nodes
-    probs = jnp.zeros((S, N, vocab_size), jnp.float32) if spec.is_chain and sample_drafts else None
+    is_ngram = spec.method == "ngram"
+    probs = jnp.zeros((S, N, vocab_size), jnp.float32) if spec.is_chain and sample_drafts and not is_ngram else None
+    history = ngram.init_history(S, cache.pages_per_slot * cache.page_size) if is_ngram else None
     return SpecState(cache=cache, draft_kv=list(draft_kv), draft_seq_lens=jnp.zeros((S,), jnp.int32),
                      tree_tokens=jnp.zeros((S, N), jnp.int32), tree_parents=jnp.full((S, N), -1, jnp.int32),
-                     tree_depth=jnp.zeros((S, N), jnp.int32), draft_probs=probs, penalties=penalties)
+                     tree_depth=jnp.zeros((S, N), jnp.int32), draft_probs=probs, penalties=penalties,
+                     history=history)
 
 
 def lookahead(spec: SpecConfig, info: DraftInfo) -> int:
     """Cache entries a slot may touch beyond its length L in one step (pages to reserve)."""
+    if not info.has_model:  # n-gram: only the tree's K/V
+        return spec.num_nodes
     draft = 1 - info.shift + (spec.num_steps + 1) + (spec.num_steps - 1) * spec.topk
     return max(spec.num_nodes, draft)
 
@@ -195,13 +207,18 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
 # ----------------------------------------------------------------------------- steps
 
 
+def merge_draft(dgd, dp):
+    """The draft module (None without one: the n-gram drafter)."""
+    return None if dgd is None else nnx.merge(dgd, dp)
+
+
 def _merge(tgd, tp, dgd, dp):
-    return nnx.merge(tgd, tp), nnx.merge(dgd, dp)
+    return nnx.merge(tgd, tp), merge_draft(dgd, dp)
 
 
-def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, penalties=None):
-    """Write the per-slot results of rows `upd` (out-of-range rows dropped); penalties: the new
-    penalty state (None: keep the state's)."""
+def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, penalties=None, history=None):
+    """Write the per-slot results of rows `upd` (out-of-range rows dropped); penalties / history:
+    the new penalty state / token history (None: keep the state's)."""
     def put(arr, val):
         return arr.at[upd].set(val, mode="drop")
     return SpecState(cache=cache, draft_kv=draft_kv, draft_seq_lens=draft_seq_lens,
@@ -210,7 +227,8 @@ def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, 
                      tree_depth=put(state.tree_depth, tree.depth),
                      draft_probs=None if state.draft_probs is None else put(
                          state.draft_probs, probs if probs is not None else 0.0),
-                     penalties=state.penalties if penalties is None else penalties)
+                     penalties=state.penalties if penalties is None else penalties,
+                     history=state.history if history is None else history)
 
 
 def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, tokens, lens, slots,
@@ -228,6 +246,10 @@ def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: Spe
                                                want_logprobs, stochastic, info.aux_layers, pen=pen,
                                                token_mask=token_mask)
     pen = decode.count_first(pen, slots, lens, out.tokens)
+    if not info.has_model:  # n-gram: the history is the prompt and the first token
+        hist = ngram.write_prompt(state.history, slots, tokens, lens, out.tokens)
+        tree = ngram.propose(hist[jnp.clip(slots, 0, max_slots - 1)], lens + 1, out.tokens, spec)
+        return out, _store(state, slots, tree, None, state.draft_kv, state.draft_seq_lens, cache, pen, hist)
     pt = cache.page_table[jnp.clip(slots, 0, max_slots - 1)]
     ps = cache.page_size
     act = (lens > 0).astype(jnp.int32)
@@ -341,6 +363,8 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
     pen = state.penalties
     if pen is not None:
         pen = pen_lib.add_tokens(pen, upd, acc.out.tokens, n)
+    if not info.has_model:
+        return _ngram_next(spec, state, acc, rs, upd, pen)
     feats = None
     if info.uses_features:
         idx = jnp.maximum(acc.accept_idx, 0)[:, :, None]  # [B, S + 1, 1]
@@ -354,6 +378,17 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
     cache = dataclasses.replace(acc.cache, seq_lens=state.cache.seq_lens.at[upd].set(L2, mode="drop"))
     draft_seq_lens = state.draft_seq_lens.at[upd].set(Ld2, mode="drop")
     return _store(state, upd, nxt, probs, dkv, draft_seq_lens, cache, pen)
+
+
+def _ngram_next(spec: SpecConfig, state: SpecState, acc: Accepted, rs, upd, pen) -> SpecState:
+    """draft_next of the n-gram drafter: lengths update, the emitted tokens appended to the
+    history, the next tree looked up in it."""
+    L, n = state.cache.seq_lens[rs], acc.out.num_accepted
+    L2 = L + n
+    hist = ngram.append(state.history, upd, L, acc.out.tokens, n)
+    nxt = ngram.propose(hist[rs], L2 + 1, acc.bonus, spec)
+    cache = dataclasses.replace(acc.cache, seq_lens=state.cache.seq_lens.at[upd].set(L2, mode="drop"))
+    return _store(state, upd, nxt, None, state.draft_kv, state.draft_seq_lens, cache, pen, hist)
 
 
 def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,

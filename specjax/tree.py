@@ -41,7 +41,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-SPEC_METHODS = ("draft", "eagle", "eagle3")
+SPEC_METHODS = ("draft", "eagle", "eagle3", "ngram")
 
 
 def max_candidates(num_steps: int, topk: int) -> int:
@@ -57,21 +57,29 @@ class SpecConfig:
     has ``num_nodes = M + 1`` nodes. ``topk == 1`` is a chain of ``num_steps`` tokens (M must
     then equal ``num_steps``). When None, M defaults to ``num_steps`` for a chain and to
     ``min(max_candidates, num_steps * topk)`` for a tree.
+
+    ``method="ngram"`` (specjax.ngram, no draft weights) drafts the continuations of the ``topk``
+    best matches of the last ``ngram_max`` down to ``ngram_min`` tokens in the request's own
+    text; its tree is the trie of those continuations (``max_candidates = num_steps * topk``).
     """
 
     method: str = "eagle"
     num_steps: int = 5
     topk: int = 1
     num_draft_tokens: int | None = None
+    ngram_max: int = 4  # n-gram drafter: longest suffix matched
+    ngram_min: int = 1  # n-gram drafter: shortest suffix matched
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
             raise ValueError(f"SpecConfig.method must be one of {SPEC_METHODS}, got {self.method!r}")
-        for name in ("num_steps", "topk"):
+        for name in ("num_steps", "topk", "ngram_max", "ngram_min"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"SpecConfig.{name} must be an int >= 1, got {v!r}")
-        cap = max_candidates(self.num_steps, self.topk)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"SpecConfig.ngram_min={self.ngram_min} exceeds ngram_max={self.ngram_max}")
+        cap = self.max_candidates
         m = self.num_draft_tokens
         if m is None:
             m = self.num_steps if self.topk == 1 else min(cap, self.num_steps * self.topk)
@@ -83,10 +91,10 @@ class SpecConfig:
                 f"SpecConfig: with topk=1 (a chain) num_draft_tokens must equal num_steps "
                 f"({self.num_steps}), got {m}")
         if m > cap:
+            how = "num_steps*topk" if self.method == "ngram" else "topk + (num_steps-1)*topk^2"
             raise ValueError(
                 f"SpecConfig.num_draft_tokens={m} exceeds the {cap} candidates that "
-                f"num_steps={self.num_steps}, topk={self.topk} can produce "
-                f"(topk + (num_steps-1)*topk^2)")
+                f"num_steps={self.num_steps}, topk={self.topk} can produce ({how})")
 
     @property
     def is_chain(self) -> bool:
@@ -99,6 +107,8 @@ class SpecConfig:
 
     @property
     def max_candidates(self) -> int:
+        if self.method == "ngram":  # topk continuations of num_steps tokens
+            return self.num_steps * self.topk
         return max_candidates(self.num_steps, self.topk)
 
 

@@ -51,10 +51,10 @@ def _filtered_np(logits, temperature, top_p):
     return q / q.sum()
 
 
-def _exact_law(cfg, model, temperature, top_p):
+def _exact_law(cfg, model, temperature, top_p, prompt=PROMPT):
     """P(t1, t2, t3) for every triple, by running the target on every prefix."""
-    seqs = [PROMPT + list(pre) for n in range(3) for pre in itertools.product(range(V), repeat=n)]
-    T = len(PROMPT) + 2
+    seqs = [prompt + list(pre) for n in range(3) for pre in itertools.product(range(V), repeat=n)]
+    T = len(prompt) + 2
     toks = np.zeros((len(seqs), T), np.int32)
     lens = np.array([len(s) for s in seqs], np.int32)
     for i, s in enumerate(seqs):
@@ -66,7 +66,7 @@ def _exact_law(cfg, model, temperature, top_p):
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (len(seqs), T))
     h, _, _ = model(jnp.asarray(toks), pos, cache, meta)
     logits = np.asarray(model.logits(h))  # [n, T, V]
-    law = {tuple(s[len(PROMPT):]): _filtered_np(logits[i, len(s) - 1].astype(np.float64), temperature, top_p)
+    law = {tuple(s[len(prompt):]): _filtered_np(logits[i, len(s) - 1].astype(np.float64), temperature, top_p)
            for i, s in enumerate(seqs)}
     probs = np.zeros((V, V, V))
     for a, b, c in itertools.product(range(V), repeat=3):
@@ -89,25 +89,27 @@ def _chi2_pvalue(counts, probs):
     return 0.5 * math.erfc(z / math.sqrt(2)), stat, dof
 
 
-def _spec_samples(cfg, target, draft, spec, temperature, top_p, rows=ROWS, info=DraftInfo("draft"), draft_cfg=None):
+def _spec_samples(cfg, target, draft, spec, temperature, top_p, rows=ROWS, info=None, draft_cfg=None,
+                  prompt=PROMPT):
     """First three tokens of `rows` independent requests (seeds 0..rows-1) under speculation.
-    draft_cfg: the config of the draft's KV layout (default: the target's)."""
+    info: the draft's DraftInfo (default: DraftInfo(spec.method)); draft_cfg: the config of the
+    draft's KV layout (default: the target's); draft None: the n-gram drafter."""
     tgd, tp = nnx.split(target)
-    dgd, dp = nnx.split(draft)
-    steps, tw, dw = compile_spec_steps(info, spec, tgd, tp, dgd, dp)
+    dgd, dp = nnx.split(draft) if draft is not None else (None, None)
+    steps, tw, dw = compile_spec_steps(info or DraftInfo(spec.method), spec, tgd, tp, dgd, dp)
     pps = MAX_SEQ // PAGE
     cache = init_cache(cfg, num_pages=1 + rows * pps, page_size=PAGE, max_slots=rows, max_seq_len=MAX_SEQ,
                        dtype=jnp.float32)
     table = jnp.asarray(1 + np.arange(rows * pps, dtype=np.int32).reshape(rows, pps))
     cache.page_table = table
-    dkv = init_cache(draft_cfg or cfg, num_pages=1 + rows * pps, page_size=PAGE, max_slots=rows,
-                     max_seq_len=MAX_SEQ, dtype=jnp.float32).kv
+    dkv = [] if draft is None else init_cache(draft_cfg or cfg, num_pages=1 + rows * pps, page_size=PAGE,
+                                              max_slots=rows, max_seq_len=MAX_SEQ, dtype=jnp.float32).kv
     state = init_spec_state(cache, dkv, spec, V)
     samp = SamplingArrays(temperature=jnp.full((rows,), temperature, jnp.float32),
                           top_p=jnp.full((rows,), top_p, jnp.float32), top_k=jnp.zeros((rows,), jnp.int32),
                           seed=jnp.arange(rows, dtype=jnp.uint32) * 7919 + 13)
-    toks = jnp.asarray(np.tile(np.array(PROMPT, np.int32), (rows, 1)))
-    lens = jnp.full((rows,), len(PROMPT), jnp.int32)
+    toks = jnp.asarray(np.tile(np.array(prompt, np.int32), (rows, 1)))
+    lens = jnp.full((rows,), len(prompt), jnp.int32)
     slots = jnp.arange(rows, dtype=jnp.int32)
     out, state = steps.prefill(tw, dw, state, toks, lens, slots, samp, stochastic=True)
     streams = [np.asarray(out.tokens)[:, None]]
