@@ -382,12 +382,12 @@ class Engine:
             self._deliver(self._pending.popleft())
 
     def _deliver(self, e: _Dispatched) -> None:
-        toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x)
+        toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x).tolist()  # nested lists, once
                                      for x in (e.out.tokens, e.out.logprob, e.out.top_logprobs, e.out.top_ids))
-        counts = np.asarray(e.out.num_accepted) if e.kind == "spec" else None
+        counts = np.asarray(e.out.num_accepted).tolist() if e.kind == "spec" else None
         trees = None if e.trees is None else tuple(np.asarray(t) for t in e.trees)
         for b, slot, req, epoch in e.rows:
-            n = toks.shape[1] if counts is None else int(counts[b])
+            n = len(toks[b]) if counts is None else counts[b]
             if self.sched.slots[slot] is req and req.epoch == epoch:  # host mirror of the device length
                 self.sched.inflight[slot] -= e.advance
                 self.sched.lens[slot] += 0 if e.kind == "prefill" else n
@@ -395,13 +395,10 @@ class Engine:
                 continue  # computed after the request finished, was cancelled or preempted: dropped
             if e.kind == "spec":
                 req.accept_lens.append(n)
-            new = []
-            for k in range(n):
-                top = None if lp is None else list(zip(top_ids[b, k].tolist(), top_lp[b, k].tolist()))
-                new.append(int(toks[b, k]))
-                if req.append(new[-1], None if lp is None else float(lp[b, k]), top):
-                    break
-            self._report(req, new)
+            before = len(req.token_ids)
+            req.extend(toks[b][:n], None if lp is None else lp[b][:n],
+                       None if lp is None else [list(zip(i, v)) for i, v in zip(top_ids[b][:n], top_lp[b][:n])])
+            self._report(req, req.token_ids[before:])
             if req.finished:
                 if self.sched.slots[slot] is req:
                     self.sched.release(slot)
