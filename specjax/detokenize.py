@@ -46,8 +46,8 @@ def decoder(tokenizer):
 def run_ids(tokenizer) -> frozenset[int]:
     """With a ByteFallback decoder: the ids of its byte tokens <0xNN> and of the special tokens
     (skipped inside a run), which it turns into text as one run (a run that is not valid UTF-8
-    becomes one U+FFFD per byte). A window must not begin inside a run, nor text be committed
-    before the run ends. Empty for other decoders."""
+    becomes one U+FFFD per byte): text is not committed before the run ends. Empty for other
+    decoders."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or "ByteFallback" not in str(backend.decoder):
         return frozenset()
@@ -84,7 +84,7 @@ class IncrementalDetokenizer:
         self._committed = 0  # characters in _pieces
         self._prefix = self._read = 0
         self._prefix_text = ""  # decode(ids[prefix:read])
-        self.tail = ""  # text of ids[read:done] in context: empty, or ends in an incomplete character
+        self.tail = ""  # text of ids[read:done] in context: may still change (incomplete character, open run)
         self._done = 0  # tokens covered by the text
         self.whole = False  # fallback: every update decodes all ids (a non-local decode was seen)
 
@@ -130,20 +130,11 @@ class IncrementalDetokenizer:
         self._pieces.append(new)
         self._committed += len(new)
         self._read = end
-        anchor = self._anchor(end) if end - self._prefix > MAX_CONTEXT else self._prefix
-        if anchor != self._prefix:  # re-anchor: a short context again
-            self._prefix = anchor
-            self._prefix_text = self._decode(self.ids[anchor:end])
+        if end - self._prefix > MAX_CONTEXT:  # re-anchor: a short context again (a closed run may be cut)
+            self._prefix = end - CONTEXT
+            self._prefix_text = self._decode(self.ids[self._prefix:end])
         else:
             self._prefix_text = window
-
-    def _anchor(self, end: int) -> int:
-        """A window start about CONTEXT tokens before end, not inside a run of byte-fallback tokens."""
-        p = end - CONTEXT
-        if self._runs:
-            while p > self._prefix and self.ids[p - 1] in self._runs and self.ids[p] in self._runs:
-                p -= 1
-        return p
 
     def _fall_back(self, end: int) -> None:
         if self._name not in _warned:

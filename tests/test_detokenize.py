@@ -153,6 +153,7 @@ def test_stop_strings_in_bursts_match_brute_force(which, request):
             deltas.append(req.take_text_delta())
             if done:
                 break
+        assert not req._detok.whole  # incremental all along (no fallback to full decodes)
         want = brute_force(seq, tok, max_tokens=max_tokens, stop_ids=stop_ids, stops=stops)
         if want is None:
             assert not req.finished and req.token_ids == seq
