@@ -105,6 +105,7 @@ class Engine:
         self.cache_opts, self.batch_opts = cache_opts, batch_opts
         self.opts = sched or SchedulerOptions()
         self.draft = draft
+        self.mesh = mesh
         self._grammar = grammar
         rules = None
         if mesh is not None:
@@ -141,13 +142,20 @@ class Engine:
             return init_spec_state(cache, dkv, draft.spec, cfg.vocab_size)
 
         self.samp: SamplingArrays = prog.init_samp(batch_opts.max_batch)  # per slot, on the device
-        if mesh is None:
-            self.state = make_state()
+        if mesh is None:  # committed, as the programs' outputs are: later calls hit the same executables
+            self.state, self.samp = self._commit((make_state(), self.samp))
         else:
             self.state = sharding.create_sharded(make_state, mesh, rules)
             self.samp = jax.device_put(self.samp, sharding.replicated(mesh))
         self._pending: deque[_Dispatched] = deque()
         self._updates: dict[int, StepUpdate] = {}
+
+    def _commit(self, tree):
+        """Device state created on the host side of the programs, committed to the device like the
+        programs' outputs (an uncommitted input is another jit cache key: a second compilation)."""
+        if self.mesh is None:
+            return jax.device_put(tree, jax.devices()[0])
+        return tree  # sharded state is created committed (sharding.create_sharded)
 
     # -- views ------------------------------------------------------------------------------
     @property
@@ -321,8 +329,8 @@ class Engine:
         if self.state.penalties is None:
             if not any(r.params.has_penalties for _, r in group):
                 return None
-            self.state = dataclasses.replace(self.state, penalties=penalties.init_penalty_state(
-                self.batch_opts.max_batch, self.cfg.vocab_size))
+            self.state = dataclasses.replace(self.state, penalties=self._commit(penalties.init_penalty_state(
+                self.batch_opts.max_batch, self.cfg.vocab_size)))
         return penalties.penalty_params([r.params for _, r in group] + [None] * (B - len(group)))
 
     def _dispatch(self, rows, masks=None) -> _Dispatched:
