@@ -100,7 +100,10 @@ class Engine:
         """mesh: a specjax.sharding mesh for tensor parallelism (None: one device). Weights are placed
         in their shardings and the device state is created sharded; the steps run unchanged (GSPMD).
         sched: SchedulerOptions (async loop, grammar overlap). grammar: a specjax.grammar.GrammarCompiler
-        for constrained requests, or a callable building one on first use (None: they fail)."""
+        for constrained requests, or a callable building one on first use (None: they fail).
+        JAX's persistent compilation cache is turned on here (specjax.compile_cache)."""
+        from specjax import compile_cache
+        compile_cache.enable()
         self.cfg = cfg
         self.cache_opts, self.batch_opts = cache_opts, batch_opts
         self.opts = sched or SchedulerOptions()

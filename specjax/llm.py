@@ -62,8 +62,10 @@ class LLM:
         scheduler: SchedulerOptions (default: the one-step-behind async loop, grammar overlap on).
         Constrained requests (SamplingParams json_schema / regex / grammar / choice) compile with one
         specjax.grammar.GrammarCompiler built from the tokenizer on first use."""
+        from specjax import compile_cache
         from specjax.checkpoint import check_converted, load_model, load_tokenizer
         from specjax.machine import log_backend, resolve_dtype
+        compile_cache.enable()  # before anything compiles (SPECJAX_COMPILE_CACHE=off: not used)
         dtype = resolve_dtype(dtype)
         log_backend()
         if model is None:
