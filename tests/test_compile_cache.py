@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import jax
-import pytest
 
 from specjax import compile_cache
 from tiny_dir import make_tiny_model_dir

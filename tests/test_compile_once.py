@@ -1,15 +1,8 @@
 """Compilation happens once: a second identical batch of requests compiles nothing (no new
 executable of the engine's programs, no XLA compilation at all), for plain and speculative
-decoding, greedy and sampling, with logprobs and penalties; and the persistent compilation cache
-lets a new process load what an earlier one compiled."""
+decoding, greedy and sampling, with logprobs and penalties. (Across processes:
+tests/test_compile_cache.py.)"""
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
