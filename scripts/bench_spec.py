@@ -4,23 +4,24 @@
 
 Random bf16 weights on the device: the target of the named shape and a random EAGLE-3 head of
 matching size (one decoder layer of the target's width, draft vocabulary 32000 or V/3, aux
-layers 2, L/2, L-3). Reported per configuration:
-  plain_ms    one plain decode step (T = 1), greedy
-  fused_ms    one fused spec step: verify the tree + accept + compact + draft extend + next tree
-  unfused_ms  the same work as two jitted programs (verify+accept | draft) with a host read of the
-              accepted tokens in between, as an engine without the fused step would run it
-  ratio       fused_ms / plain_ms: with mean acceptance length tau, speculation pays when tau > ratio.
+layers 2, L/2, L-3). The timed programs are the engine's own (specjax.programs, through an
+Engine holding `batch` requests of `context` random prompt tokens, prefilled by the engine),
+called as the engine calls them: rows bucketed as the engine buckets them (a batch of 1 runs 2
+rows), per-slot sampling parameters, the rows' next trees returned. Reported per configuration,
+greedy and sampling (temperature 0.7, top-p 0.9: the `stochastic` programs):
+  plain_ms      one plain decode step: the engine's decode_many with num_steps=1
+  plain_k8_ms   per step of decode_many with num_steps=8 (what the engine dispatches in steady state)
+  fused_ms      one fused spec step (programs.spec_programs `step`): verify the tree + accept +
+                compact + draft extend + next tree
+  unfused_ms    (greedy) the same work as two jitted programs (verify+accept | draft) with a host
+                read of the accepted tokens in between, as an engine without the fused step would
+                run it
+  ratio         fused_ms / plain_ms: with mean acceptance length tau, speculation pays when tau > ratio.
 Configs: chainK = chain of K drafted tokens; treeKxM[dS] = topk K, num_draft_tokens M, num_steps S
-(default 5). --breakdown also times the parts alone: the target forward over the tree, verify +
-accept (+ compaction), and the draft part (extend + growth). --kv-compact-impl: the compaction
-kernel, chosen once per configuration like the engine does (specjax.kernels; printed with each row).
-Attention alone (always reported; the implementation the engine would pick, or --attention):
-  decode_attn_ms  the target's attention of one plain decode step (T = 1), all layers
-  verify_attn_ms  the target's attention of the tree verify (T = N nodes, the tree's ancestor mask),
-                  all layers, over the same pages; verify/decode is the ratio the kernels aim to keep
-                  <= 1.5 for 17 nodes
+(default 5). --breakdown also times the parts alone (greedy): the target forward over the tree,
+verify + accept (+ compaction), and the draft part (extend + growth).
 On CPU, a tiny smoke run: --shapes tiny --batches 2 --configs tree2x4d2 --context 24 --max-seq-len 64
---steps 2 (add --attention pallas --interpret for the generic kernel in its interpreter).
+--steps 2 --dtype float32.
 Lengths grow during the run (context .. context + steps * (S + 1)); random heads accept little.
 """
 from __future__ import annotations
@@ -39,13 +40,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from specjax import decode, kernels, step  # noqa: E402
+from specjax import step  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.drafter import DraftInfo  # noqa: E402
-from specjax.kv_cache import init_cache  # noqa: E402
+from specjax.engine import BatchOptions, CacheOptions, Draft, Engine  # noqa: E402
 from specjax.models.eagle import EagleConfig, EagleHead  # noqa: E402
 from specjax.models.llama import Llama  # noqa: E402
-from specjax.sampling import SamplingArrays  # noqa: E402
+from specjax.request import Request  # noqa: E402
+from specjax.sampling_params import SamplingParams  # noqa: E402
 from specjax.shapes import SHAPES, shape_config  # noqa: E402
 from specjax.tree import SpecConfig  # noqa: E402
 
@@ -85,109 +87,120 @@ def timed(fn, state, steps):
     return (time.perf_counter() - t0) / steps, state
 
 
-MESH = None  # set by --tensor-parallel N > 1: weights and states are placed in their shardings
+def timed_engine(eng, call, steps):
+    """Seconds per call of call() -> outputs, which advances eng.state (compiled and warmed first)."""
+    for _ in range(2):
+        out = call()
+    jax.block_until_ready((out, eng.state))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = call()
+    jax.block_until_ready((out, eng.state))
+    return (time.perf_counter() - t0) / steps, out
 
 
-def bench_attention(cfg, impl, spec, batch, context, max_seq_len, page_size, steps, dtype=jnp.bfloat16):
-    """(decode, verify) attention ms per step, all layers: `attend` alone with the step's shapes over
-    one layer's pages, chained cfg.num_layers times inside one program (each call's output is the
-    next one's query, so nothing is merged or skipped)."""
-    from specjax import attention, tree as tree_lib
-    from specjax.kv_cache import meta_at
-    P = max_seq_len // page_size
+MESH = None  # set by --tensor-parallel N > 1: the engines place weights and state in their shardings
+DTYPE = jnp.bfloat16
+
+
+class _NoText:
+    """The requests' tokenizer: the benchmark never reads their text."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+KERNELS = {}  # --kv-compact-impl / --attention: chosen once per engine, as the engine does at start
+
+
+def make_engine(target, cfg, batch, max_seq_len, page_size, draft=None):
+    eng = Engine(target, cfg, CacheOptions(page_size=page_size, max_seq_len=max_seq_len),
+                 BatchOptions(max_batch=batch), DTYPE, draft=draft, mesh=MESH, **KERNELS)
+    print("engine:", eng.info, flush=True)
+    return eng
+
+
+def admit(eng, cfg, batch, context, max_seq_len, temperature, steps):
+    """`batch` requests of `context` random prompt tokens, prefilled by the engine (engine steps,
+    which also dispatch their first steps), with KV pages for `steps` more steps of the programs.
+    -> (slots, active, static flags) as the engine passes them."""
     rng = np.random.default_rng(0)
-    pages = jnp.asarray(rng.normal(size=(batch * P + 1, page_size, 2, cfg.num_kv_heads, cfg.head_dim)), dtype)
-    table = jnp.asarray(1 + np.arange(batch * P, dtype=np.int32).reshape(batch, P))
-    start = jnp.full((batch,), context, jnp.int32)
-    N = spec.num_nodes
-    parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, N)] for _ in range(batch)], np.int32)
-    depth = np.zeros_like(parents)
-    for i in range(1, N):
-        depth[:, i] = depth[np.arange(batch), parents[:, i]] + 1
-    tree = tree_lib.make_tree(jnp.zeros((batch, N), jnp.int32), jnp.asarray(parents), jnp.asarray(depth),
-                              spec.num_steps)
-
-    def timed_attn(T, block_mask):
-        meta = meta_at(table, start, jnp.full((batch,), T, jnp.int32), T, page_size, block_mask)
-        q0 = jnp.asarray(rng.normal(size=(batch, T, cfg.num_heads, cfg.head_dim)), dtype)
-
-        @jax.jit
-        def layers(q, pages):
-            def body(q, _):
-                return attention.attend(q, pages, meta, impl, sliding_window=cfg.sliding_window), None
-            return jax.lax.scan(body, q, None, length=cfg.num_layers)[0]
-
-        jax.block_until_ready(layers(q0, pages))
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            q0 = layers(q0, pages)
-        jax.block_until_ready(q0)
-        return (time.perf_counter() - t0) / steps * 1e3
-
-    return timed_attn(1, None), timed_attn(N, tree.mask)
+    params = SamplingParams(max_tokens=max_seq_len, temperature=temperature, top_p=0.9 if temperature else 1.0,
+                            ignore_eos=True)
+    reqs = [Request(i, None, rng.integers(0, cfg.vocab_size, context).tolist(), params, _NoText(), (), max_seq_len, i)
+            for i in range(batch)]
+    for r in reqs:
+        eng.add_request(r)
+    while eng.sched.queue:  # prefill (several groups when batch * context > max_prefill_tokens)
+        eng.step()
+    rows = eng.sched.running()
+    assert len(rows) == batch and not any(r.finished for r in reqs), [r.error for r in reqs]
+    for s, _ in rows:
+        eng.sched.inflight[s] += eng.sched.advance * (steps + 3)
+    assert not eng.sched.reserve(), "--max-seq-len too short for --context and --steps"
+    eng._push_page_table()
+    slots, active = eng.sched.row_slots(rows)
+    return reqs, slots, active, eng._flags(reqs)
 
 
-def place(tree):
-    if MESH is None:
-        return tree
-    from specjax import sharding
-    return sharding.shard_cache(tree, MESH)
+def release(eng, reqs):
+    for r in reqs:
+        eng.cancel(r.id)
+    while eng.has_unfinished():
+        eng.step()
 
 
-def make_cache(cfg, rows, max_seq_len, page_size, dtype, context=None):
-    P = max_seq_len // page_size
-    c = init_cache(cfg, num_pages=rows * P + 1, page_size=page_size, max_slots=rows, max_seq_len=max_seq_len,
-                   dtype=dtype)
-    c.page_table = jnp.asarray(1 + np.arange(rows * P, dtype=np.int32).reshape(rows, P))
-    if context is not None:
-        c.seq_lens = jnp.full((rows,), context, jnp.int32)
-    return c
+def bench_plain(target, cfg, batch, context, max_seq_len, page_size, steps, temperature):
+    """(seconds per step with num_steps=1, with num_steps=8) of the engine's decode_many."""
+    eng = make_engine(target, cfg, batch, max_seq_len, page_size)
+    K = eng.batch_opts.steps_per_call
+    reqs, slots, active, flags = admit(eng, cfg, batch, context, max_seq_len, temperature, (1 + K) * (steps + 2))
+
+    def call(k):
+        def run():
+            out, _, eng.state = eng.steps.decode_many(eng.weights, eng.state, eng.samp, slots, active, None,
+                                                      num_steps=k, **flags)
+            return out
+        return run
+
+    one, _ = timed_engine(eng, call(1), steps)
+    many, _ = timed_engine(eng, call(K), steps)
+    release(eng, reqs)
+    return one, many / K
 
 
-def bench_plain(target, cfg, batch, context, max_seq_len, page_size, steps):
-    rows = max(2, batch)
-    slots = jnp.arange(rows, dtype=jnp.int32)
-    active = jnp.arange(rows) < batch
-    fns, w = decode.compile_steps(*nnx.split(target))
-    st = place(decode.DecodeState(make_cache(cfg, rows, max_seq_len, page_size, jnp.bfloat16, context),
-                                  jnp.ones((rows,), jnp.int32)))
-    t, _ = timed(lambda s: fns.decode(w, s, slots, active, None, stochastic=False), st, steps)
-    return t
-
-
-def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_size, steps, breakdown=False,
-               kv_compact_impl="auto"):
-    rows = batch  # T = N > 1 tokens per row: no 2-row padding needed (unlike the T = 1 decode step)
-    slots = jnp.arange(rows, dtype=jnp.int32)
-    active = jnp.arange(rows) < batch
+def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_size, steps, temperature,
+               breakdown=False):
     info = DraftInfo("eagle3", ecfg.aux_layers)
+    eng = make_engine(target, cfg, batch, max_seq_len, page_size, Draft(head, ecfg.layer, info, spec))
+    reqs, slots, active, flags = admit(eng, cfg, batch, context, max_seq_len, temperature,
+                                       (3 if breakdown else 2) * (steps + 2) + 2)
+    tw, dw = eng.weights, eng.draft_weights
+
+    def fused_call():
+        out, _, eng.state = eng.spec_steps.step(tw, dw, eng.state, eng.samp, slots, active, None, **flags)
+        return out
+
+    fused, out = timed_engine(eng, fused_call, steps)
+    tau = float(np.asarray(out.num_accepted)[:batch].mean())
+    unf, parts = None, {}
+    if temperature == 0:
+        unf, parts = unfused(eng, target, head, info, spec, slots, active, steps, breakdown)
+    release(eng, reqs)
+    return fused, unf, tau, parts
+
+
+def unfused(eng, target, head, info, spec, slots, active, steps, breakdown):
+    """Greedy: verify + accept (+ compaction) | host read | draft extend + next tree, as two jitted
+    programs on the engine's state (donated to both; the first hands over the compacted cache)."""
     tgd, tp = nnx.split(target)
     dgd, dp = nnx.split(head)
-    dkv = make_cache(ecfg.layer, rows, max_seq_len, page_size, jnp.bfloat16).kv
-    state = place(step.init_spec_state(make_cache(cfg, rows, max_seq_len, page_size, jnp.bfloat16), dkv, spec,
-                                       cfg.vocab_size, sample_drafts=False))
-    impl = "reference"
-    if not spec.is_chain:  # chosen once, as the engine does (a chain compacts nothing)
-        kv = state.cache.kv
-        args = kernels.compact_shapes(len(kv), kv[0].shape, kv[0].dtype, rows, state.cache.page_table.shape[1],
-                                      spec.num_steps + 1)
-        impl, _ = kernels.choose_kv_compact(kv_compact_impl, args)
-    kern = kernels.Kernels(kv_compact=impl)
-    fns, tw, dw = step.compile_spec_steps(info, spec, tgd, tp, dgd, dp, kernels=kern)
-    toks = jax.random.randint(jax.random.key(0), (rows, context), 0, cfg.vocab_size, jnp.int32)
-    lens = jnp.full((rows,), context, jnp.int32)
-    _, state = fns.prefill(tw, dw, state, toks, lens, slots, None, stochastic=False)
-    jax.block_until_ready(state)
-
-    fused, state = timed(lambda s: fns.step(tw, dw, s, slots, active, None, stochastic=False), state, steps)
-
-    # unfused: verify + accept (+ compaction) | host read | draft extend + next tree. The state is
-    # donated to both programs; the first hands over the compacted cache inside the state.
     t_def, d_def = jax.tree.structure(tp), jax.tree.structure(dp)
+    tw, dw = eng.weights, eng.draft_weights
 
     def part1(tw, s):
         ver = step.verify_forward(info, spec, nnx.merge(tgd, jax.tree.unflatten(t_def, tw)), s, slots, active)
-        acc = step.accept(spec, s, ver, slots, active, None, False, False, kernels=kern)
+        acc = step.accept(spec, s, ver, slots, active, None, False, False)
         return (ver.h, ver.aux, acc.out, acc.accept_idx, acc.bonus), dataclasses.replace(s, cache=acc.cache)
 
     def part2(tw, dw, s, h, aux, out, idx, bonus):
@@ -200,14 +213,15 @@ def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_
     p1 = jax.jit(part1, donate_argnums=(1,))
     p2 = jax.jit(part2, donate_argnums=(2,))
 
-    def unfused(s):
+    def unfused_step(s):
         mid, s = p1(tw, s)
         np.asarray(mid[2].tokens)  # the host reads the accepted tokens before drafting
         return mid[2], p2(tw, dw, s, *mid)
 
-    unf, state = timed(unfused, state, steps)
+    unf, eng.state = timed(unfused_step, eng.state, steps)
     parts = {}
     if breakdown:  # each part alone, repeatedly on the same inputs
+        state = eng.state
         fwd = jax.jit(lambda tw, s: step.verify_forward(info, spec, nnx.merge(tgd, jax.tree.unflatten(t_def, tw)),
                                                         s, slots, active).logits)
         parts["target_fwd_ms"] = timed(lambda s: (fwd(tw, s), s), state, steps)[0] * 1e3
@@ -216,8 +230,8 @@ def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_
         mid, state = p1(tw, state)
         p2n = jax.jit(part2)
         parts["draft_ms"] = timed(lambda s: (p2n(tw, dw, s, *mid).draft_seq_lens, s), state, steps)[0] * 1e3
-    n = np.asarray(fns.step(tw, dw, state, slots, active, None, stochastic=False)[0].num_accepted)
-    return fused, unf, float(n[:batch].mean()), dict(parts, kv_compact=impl)
+        eng.state = state
+    return unf, parts
 
 
 def main():
@@ -231,53 +245,48 @@ def main():
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--tensor-parallel", type=int, default=1)
-    p.add_argument("--kv-compact-impl", default="auto", choices=kernels.KV_COMPACT_CHOICES)
-    p.add_argument("--attention", default="auto", help="implementation at specjax.attention (resolve)")
-    p.add_argument("--interpret", action="store_true", help="run a Pallas kernel in its interpreter (CPU)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--sampling", default="greedy,sample", help="greedy and/or sample (temperature 0.7)")
+    p.add_argument("--kv-compact-impl", default="auto", help="compaction kernel (specjax.kernels)")
+    p.add_argument("--attention", default="auto", help="paged-attention implementation (specjax.attention)")
     a = p.parse_args()
-    global MESH
+    KERNELS.update(kv_compact_impl=a.kv_compact_impl, attention=a.attention)
+    global MESH, DTYPE
+    DTYPE = jnp.bfloat16 if a.dtype == "bfloat16" else jnp.float32
     if a.tensor_parallel > 1:
         from specjax import sharding
         MESH = sharding.make_mesh(a.tensor_parallel)
+    temps = {"greedy": 0.0, "sample": 0.7}
+    modes = a.sampling.split(",")
+    if not modes or set(modes) - set(temps):
+        p.error(f"--sampling: choose from {sorted(temps)}")
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
     rows = []
     for shape in a.shapes.split(","):
         cfg = shape_config(shape)
-        target = Llama(cfg, jnp.bfloat16, nnx.Rngs(0))
-        head, ecfg = eagle3_head(shape, cfg, jnp.bfloat16)
-        from specjax import attention  # chosen once per model, as the engine does at start
-        pick = dict(dtype=jnp.bfloat16, page_size=a.page_size, interpret=a.interpret, mesh=MESH)
-        impl, choice = attention.resolve(a.attention, head_dim=cfg.head_dim, **pick)
-        target = attention.configure(target, impl)
-        head = attention.configure(head, attention.resolve(a.attention, head_dim=ecfg.layer.head_dim, **pick)[0])
-        print(choice, flush=True)
-        if MESH is not None:
-            from specjax import sharding
-            tp = a.tensor_parallel
-            sharding.shard_model(target, MESH, sharding.resolve_rules(cfg, tp))
-            sharding.shard_model(head, MESH, {**sharding.resolve_rules(ecfg.layer, tp), "vocab": None})
+        target = Llama(cfg, DTYPE, nnx.Rngs(0))
+        head, ecfg = eagle3_head(shape, cfg, DTYPE)
         for b in map(int, a.batches.split(",")):
-            plain = bench_plain(target, cfg, b, a.context, a.max_seq_len, a.page_size, a.steps)
-            for name in a.configs.split(","):
-                spec = parse_config(name)
-                fused, unf, tau, parts = bench_spec(target, cfg, head, ecfg, spec, b, a.context, a.max_seq_len,
-                                                    a.page_size, a.steps, a.breakdown, a.kv_compact_impl)
-                if MESH is None:
-                    dec, ver = bench_attention(cfg, impl, spec, b, a.context, a.max_seq_len, a.page_size, a.steps)
-                    parts.update(decode_attn_ms=dec, verify_attn_ms=ver, verify_over_decode_attn=ver / dec)
-                r = dict(shape=shape, tp=a.tensor_parallel, batch=b, config=name, num_steps=spec.num_steps, topk=spec.topk,
-                         num_draft_tokens=spec.num_draft_tokens, plain_ms=plain * 1e3, fused_ms=fused * 1e3,
-                         unfused_ms=unf * 1e3, ratio=fused / plain, random_head_tau=tau, **parts)
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-    print("| shape | TP | batch | config | plain ms | fused ms | unfused ms | fused/plain "
-          "| decode attn ms | verify attn ms | verify/decode attn |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+            for mode in modes:
+                plain, plain_k8 = bench_plain(target, cfg, b, a.context, a.max_seq_len, a.page_size, a.steps,
+                                              temps[mode])
+                for name in a.configs.split(","):
+                    spec = parse_config(name)
+                    fused, unf, tau, parts = bench_spec(target, cfg, head, ecfg, spec, b, a.context, a.max_seq_len,
+                                                        a.page_size, a.steps, temps[mode], a.breakdown)
+                    r = dict(shape=shape, tp=a.tensor_parallel, batch=b, config=name, sampling=mode,
+                             num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens,
+                             plain_ms=plain * 1e3, plain_k8_ms=plain_k8 * 1e3, fused_ms=fused * 1e3,
+                             unfused_ms=None if unf is None else unf * 1e3, ratio=fused / plain,
+                             random_head_tau=tau, **parts)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+    print("| shape | TP | batch | config | sampling | plain ms | plain ms (K=8) | fused ms | unfused ms | fused/plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        attn = (f"{r['decode_attn_ms']:.3f} | {r['verify_attn_ms']:.3f} | {r['verify_over_decode_attn']:.2f}"
-                if "decode_attn_ms" in r else "- | - | -")
-        print(f"| {r['shape']} | {r['tp']} | {r['batch']} | {r['config']} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} "
-              f"| {r['unfused_ms']:.3f} | {r['ratio']:.2f} | {attn} |")
+        unf = "-" if r["unfused_ms"] is None else f"{r['unfused_ms']:.3f}"
+        print(f"| {r['shape']} | {r['tp']} | {r['batch']} | {r['config']} | {r['sampling']} | {r['plain_ms']:.3f} "
+              f"| {r['plain_k8_ms']:.3f} | {r['fused_ms']:.3f} | {unf} | {r['ratio']:.2f} |")
 
 
 if __name__ == "__main__":

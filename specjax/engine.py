@@ -113,11 +113,15 @@ class Engine:
         in `self.info` (logged at INFO on the "specjax" logger).
         attention: the paged-attention implementation ("auto", or a name of specjax.attention; an
         AttnImpl to force one with its settings, e.g. AttnImpl("pallas", interpret=True) on CPU),
-        chosen here once for the target and the draft; `self.attention_choice` says what runs and why."""
+        chosen here once for the target and the draft; `self.attention_choice` says what runs and why.
+        JAX's persistent compilation cache is turned on here (specjax.compile_cache)."""
+        from specjax import compile_cache
+        compile_cache.enable()
         self.cfg = cfg
         self.cache_opts, self.batch_opts = cache_opts, batch_opts
         self.opts = sched or SchedulerOptions()
         self.draft = draft
+        self.mesh = mesh
         self._grammar = grammar
         rules = None
         if mesh is not None:
@@ -166,8 +170,8 @@ class Engine:
             return init_spec_state(cache, dkv, draft.spec, cfg.vocab_size)
 
         self.samp: SamplingArrays = prog.init_samp(batch_opts.max_batch)  # per slot, on the device
-        if mesh is None:
-            self.state = make_state()
+        if mesh is None:  # committed, as the programs' outputs are: later calls hit the same executables
+            self.state, self.samp = self._commit((make_state(), self.samp))
         else:
             self.state = sharding.create_sharded(make_state, mesh, rules)
             self.samp = jax.device_put(self.samp, sharding.replicated(mesh))
@@ -226,6 +230,13 @@ class Engine:
         d_impl, d_choice = pick(draft.kv_cfg)
         self.attention_choice["draft attention"] = str(d_choice)
         return target, dataclasses.replace(draft, model=attn_lib.configure(draft.model, d_impl))
+
+    def _commit(self, tree):
+        """Device state created on the host side of the programs, committed to the device like the
+        programs' outputs (an uncommitted input is another jit cache key: a second compilation)."""
+        if self.mesh is None:
+            return jax.device_put(tree, jax.devices()[0])
+        return tree  # sharded state is created committed (sharding.create_sharded)
 
     # -- views ------------------------------------------------------------------------------
     @property
@@ -401,8 +412,8 @@ class Engine:
         if self.state.penalties is None:
             if not any(r.params.has_penalties for _, r in group):
                 return None
-            self.state = dataclasses.replace(self.state, penalties=penalties.init_penalty_state(
-                self.batch_opts.max_batch, self.cfg.vocab_size))
+            self.state = dataclasses.replace(self.state, penalties=self._commit(penalties.init_penalty_state(
+                self.batch_opts.max_batch, self.cfg.vocab_size)))
         pad = [None] * (B - len(group))
         return penalties.penalty_params([r.params for _, r in group] + pad,
                                         [len(r.prompt_ids) for _, r in group] + [0] * len(pad))
@@ -464,12 +475,12 @@ class Engine:
             self._deliver(self._pending.popleft())
 
     def _deliver(self, e: _Dispatched) -> None:
-        toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x)
+        toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x).tolist()  # nested lists, once
                                      for x in (e.out.tokens, e.out.logprob, e.out.top_logprobs, e.out.top_ids))
-        counts = np.asarray(e.out.num_accepted) if e.kind == "spec" else None
+        counts = np.asarray(e.out.num_accepted).tolist() if e.kind == "spec" else None
         trees = None if e.trees is None else tuple(np.asarray(t) for t in e.trees)
         for b, slot, req, epoch in e.rows:
-            n = toks.shape[1] if counts is None else int(counts[b])
+            n = len(toks[b]) if counts is None else counts[b]
             if self.sched.slots[slot] is req and req.epoch == epoch:  # host mirror of the device length
                 self.sched.inflight[slot] -= e.advance
                 self.sched.lens[slot] += 0 if e.kind == "prefill" else n
@@ -477,13 +488,10 @@ class Engine:
                 continue  # computed after the request finished, was cancelled or preempted: dropped
             if e.kind == "spec":
                 req.accept_lens.append(n)
-            new = []
-            for k in range(n):
-                top = None if lp is None else list(zip(top_ids[b, k].tolist(), top_lp[b, k].tolist()))
-                new.append(int(toks[b, k]))
-                if req.append(new[-1], None if lp is None else float(lp[b, k]), top):
-                    break
-            self._report(req, new)
+            before = len(req.token_ids)
+            req.extend(toks[b][:n], None if lp is None else lp[b][:n],
+                       None if lp is None else [list(zip(i, v)) for i, v in zip(top_ids[b][:n], top_lp[b][:n])])
+            self._report(req, req.token_ids[before:])
             if req.finished:
                 if self.sched.slots[slot] is req:
                     self.sched.release(slot)

@@ -72,8 +72,10 @@ class LLM:
         kernel on TPU, the jnp reference on CPU; see specjax.attention); `LLM.engine.attention_choice` says which.
         Constrained requests (SamplingParams json_schema / regex / grammar / choice) compile with one
         specjax.grammar.GrammarCompiler built from the tokenizer on first use."""
+        from specjax import compile_cache
         from specjax.checkpoint import check_converted, load_model, load_tokenizer
         from specjax.machine import log_backend, resolve_dtype
+        compile_cache.enable()  # before anything compiles (SPECJAX_COMPILE_CACHE=off: not used)
         dtype = resolve_dtype(dtype)
         if draft is None and spec is not None:
             if spec.method != "ngram":

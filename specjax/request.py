@@ -1,8 +1,14 @@
-"""Host-side per-request bookkeeping: output tokens, detokenized text, stop conditions."""
+"""Host-side per-request bookkeeping: output tokens, detokenized text, stop conditions.
+
+Host work per delivered token is O(1) in the output length: tokens arrive in bursts (one engine
+step's tokens, `Request.extend`), stop ids and the length limit are found in the burst, and the
+text is decoded incrementally (specjax.detokenize) only where it is needed: stop strings (searched
+in the new text only), streaming deltas and the final output."""
 from __future__ import annotations
 
 import dataclasses
 
+from specjax.detokenize import IncrementalDetokenizer
 from specjax.sampling_params import SamplingParams
 
 
@@ -20,7 +26,7 @@ class RequestOutput:
 
 
 class Request:
-    """One request's generation state. `append` returns True once it has finished.
+    """One request's generation state. `extend` / `append` return True once it has finished.
 
     With a grammar (`grammar`, a specjax.grammar.RequestGrammar set by the engine) every appended
     token advances the matcher; the request finishes ("stop") when the grammar terminates.
@@ -42,7 +48,10 @@ class Request:
         self.text = ""
         self.finish_reason: str | None = None
         self.accept_lens: list[int] = []  # tokens emitted by each speculative step
-        self._scan_from = 0  # text length already searched for stop strings
+        self._detok = IncrementalDetokenizer(tokenizer, self.token_ids)  # the output's text
+        self._max_stop = max(map(len, params.stop), default=0)
+        self._per_token_stops = any("\ufffd" in s for s in params.stop)  # may match an incomplete character
+        self._scanned = 0  # text searched for stop strings and stable since
         self._stop_cut: int | None = None  # text offset where a stop string begins
         self.error: str | None = None
         self.grammar = None  # specjax.grammar.RequestGrammar of a constrained request
@@ -52,7 +61,7 @@ class Request:
         self.epoch = 0  # bumped on preemption: outputs of steps dispatched before are dropped
         self.num_preempted = 0
         self.tree = None  # host copy (tokens [N], parents [N]) of the draft tree it verifies next
-        self._streamed = ""  # text handed out by take_text_delta
+        self._streamed = 0  # characters handed out by take_text_delta
 
     @property
     def prefill_ids(self) -> list[int]:
@@ -73,23 +82,80 @@ class Request:
         return self.finish_reason is not None
 
     def append(self, token: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None) -> bool:
+        return self.extend([token], None if logprob is None else [logprob], None if top is None else [top])
+
+    def extend(self, tokens: list[int], logprobs: list[float] | None = None,
+               tops: list[list[tuple[int, float]]] | None = None) -> bool:
+        """Append tokens (with their logprob and top-logprobs when requested) up to the one that
+        finishes the request; the rest are dropped. The same as appending them one at a time, with
+        host work proportional to the new tokens. Returns whether the request has finished."""
         if self.finished:
             return True
-        self.token_ids.append(int(token))
-        if self.logprobs is not None:
-            entry = {int(token): float(logprob)}
-            for tid, lp in (top or [])[: self.params.logprobs]:
+        if self.grammar is not None and len(tokens) > 1:  # the matcher decides token by token
+            for i in range(len(tokens)):
+                if self.extend(tokens[i: i + 1], logprobs and logprobs[i: i + 1], tops and tops[i: i + 1]):
+                    break
+            return self.finished
+        start = len(self.token_ids)
+        room = max(self.max_len - start, 1)
+        n, reason = len(tokens), None
+        if n >= room:
+            n, reason = room, "length"
+        if not self.stop_ids.isdisjoint(tokens[:n]):
+            n, reason = next(i for i in range(n) if tokens[i] in self.stop_ids) + 1, "stop"
+        self.token_ids.extend(int(t) for t in tokens[:n])
+        if self.grammar is not None and n:
+            if not self._advance_grammar(tokens[0]):
+                self._add_logprobs(logprobs, tops, 1)
+                return True
+            if self.grammar.is_terminated:
+                reason = "stop"
+        if self.params.stop and n:
+            n, reason = self._stop_strings(start, n, reason)
+        self._add_logprobs(logprobs, tops, n)
+        self.finish_reason = reason
+        return self.finished
+
+    def _add_logprobs(self, logprobs, tops, n: int) -> None:
+        if self.logprobs is None:
+            return
+        for k in range(n):
+            entry = {int(self.token_ids[-n + k]): float(logprobs[k])}
+            for tid, lp in (tops[k] if tops else [])[: self.params.logprobs]:
                 entry.setdefault(int(tid), float(lp))
             self.logprobs.append(entry)
-        if self.grammar is not None and not self._advance_grammar(token):
-            return True
-        if token in self.stop_ids or (self.grammar is not None and self.grammar.is_terminated):
-            self.finish_reason = "stop"
-        elif self.params.stop and self._hit_stop_string():
-            self.finish_reason = "stop"
-        elif len(self.token_ids) >= self.max_len:
-            self.finish_reason = "length"
-        return self.finished
+
+    def _stop_strings(self, start: int, n: int, reason: str | None) -> tuple[int, str | None]:
+        """Stop strings over the n tokens appended after `start`: (tokens kept, finish reason). A
+        stop string ends generation at the token that completes it, unless that token is a stop id
+        (which stops first, the text uncut)."""
+        d = self._detok
+        if n > 1 and not self._per_token_stops:  # the burst at once; token by token only if a stop string occurs
+            mark, scanned = d.mark(), self._scanned
+            if self._find_stop(start + n) is None:
+                return n, reason
+            d.rewind(mark)
+            self._scanned = scanned
+        for end in range(start + 1, start + n + 1):
+            if end == start + n and reason == "stop":  # a stop id (or the grammar) ends here
+                return n, reason
+            cut = self._find_stop(end)
+            if cut is not None:
+                self._stop_cut = cut
+                del self.token_ids[end:]
+                return end - start, "stop"
+        return n, reason
+
+    def _find_stop(self, end: int) -> int | None:
+        """Where the first stop string begins in the text of token_ids[:end] (None: nowhere). Text
+        scanned before and stable since is not searched again."""
+        d = self._detok
+        d.update(end)
+        lo = max(0, self._scanned - self._max_stop + 1)  # a stop string ending in new text starts here or later
+        recent = d.suffix(lo)
+        self._scanned = d.stable
+        hits = [i for i in (recent.find(s) for s in self.params.stop) if i >= 0]
+        return lo + min(hits) if hits else None
 
     def _advance_grammar(self, token: int) -> bool:
         from specjax.grammar import GrammarStateError
@@ -100,34 +166,26 @@ class Request:
             self.fail(str(e))
             return False
 
-    def _hit_stop_string(self) -> bool:
-        text = self.decode()
-        hits = [i for i in (text.find(s, max(0, self._scan_from - len(s) - 8)) for s in self.params.stop) if i >= 0]
-        self._scan_from = len(text)
-        if not hits:
-            return False
-        self._stop_cut = min(hits)
-        return True
-
-    def decode(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-
     def final_text(self) -> str:
-        text = self.decode()
+        self._detok.update()
+        text = self._detok.text()
         return text if self._stop_cut is None else text[: self._stop_cut]
 
     def take_text_delta(self) -> str:
-        """Text generated since the last call (streaming). Until the request finishes, the tail
-        that a stop string could still cut and incomplete UTF-8 (U+FFFD) are held back, so the
-        deltas concatenate to the final text."""
+        """Text generated since the last call (streaming). Until the request finishes, text that
+        may still change (an incomplete UTF-8 character, an open byte-fallback run) and the tail
+        that a stop string could still cut are held back, so the deltas concatenate to the final
+        text."""
+        d = self._detok
+        d.update()
         if self.finished:
-            text = self.final_text()
-        else:
-            text = self.decode().rstrip("\ufffd")
-            text = text[: max(len(text) - max((len(s) for s in self.params.stop), default=1) + 1, 0)]
-        if not text.startswith(self._streamed) or len(text) <= len(self._streamed):
+            end = len(d) if self._stop_cut is None else self._stop_cut
+        else:  # text that no later token changes, less what a stop string could still cut
+            end = d.stable if not d.whole else len(d.text().rstrip("\ufffd"))
+            end -= self._max_stop - 1 if self.params.stop else 0
+        if end <= self._streamed:
             return ""
-        delta, self._streamed = text[len(self._streamed):], text
+        delta, self._streamed = d.suffix(self._streamed, end), end
         return delta
 
     def output(self) -> RequestOutput:

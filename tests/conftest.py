@@ -1,4 +1,5 @@
-"""Session setup: 8 host (CPU) devices, so that sharding tests can build meshes on a CPU-only machine.
+"""Session setup: 8 host (CPU) devices, so that sharding tests can build meshes on a CPU-only machine;
+the persistent compilation cache off.
 
 Must run before the JAX backend initialises (pytest imports conftest before the test modules).
 Everything that does not ask for a mesh keeps running on the default device, jax.devices()[0].
@@ -11,6 +12,11 @@ import warnings
 
 NUM_CPU_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
+
+# Tests compile from scratch (hermetic, and no test writes to the user's cache): the persistent
+# compilation cache is off unless the environment says otherwise; tests/test_compile_cache.py
+# turns it on in its own processes.
+os.environ.setdefault("SPECJAX_COMPILE_CACHE", "off")
 
 _user_set = "JAX_NUM_CPU_DEVICES" in os.environ or _FLAG in os.environ.get("XLA_FLAGS", "")
 

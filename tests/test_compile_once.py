@@ -1,0 +1,73 @@
+"""Compilation happens once: a second identical batch of requests compiles nothing (no new
+executable of the engine's programs, no XLA compilation at all), for plain and speculative
+decoding, greedy and sampling, with logprobs and penalties. (Across processes:
+tests/test_compile_cache.py.)"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import IdTokenizer, tiny_config, tiny_model
+from specjax.drafter import DraftInfo
+from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
+from specjax.request import Request
+from specjax.sampling_params import SamplingParams
+from specjax.tree import SpecConfig
+
+MAX_SEQ = 64
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts XLA backend compilations (every jit, eager op and program) while active."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, event, duration, **kw):
+        if event == COMPILE_EVENT:
+            self.n += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+@pytest.fixture(scope="module")
+def world():
+    cfg = tiny_config(num_hidden_layers=1)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, 96, size=n)] for n in (5, 17)]
+    return cfg, tiny_model(cfg, seed=0), prompts
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "spec"])
+def test_second_identical_run_compiles_nothing(world, spec):
+    """Greedy with logprobs beside sampling with a penalty (the per-slot penalty state is created
+    on the way, between the programs' calls)."""
+    cfg, model, prompts = world
+    draft = Draft(model, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=2)) if spec else None
+    eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=2),
+                 jnp.float32, draft=draft)
+    params = [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, ignore_eos=True, seed=3,
+                             repetition_penalty=1.2)]
+
+    def run():
+        reqs = [Request(i, None, p, params[i], IdTokenizer(), (96,), MAX_SEQ, 7) for i, p in enumerate(prompts)]
+        eng.run(reqs)
+        return [r.token_ids for r in reqs]
+
+    first = run()
+    compiled = eng.num_compiled()
+    assert compiled >= 2
+    with CompileCounter() as c:
+        second = run()
+    assert eng.num_compiled() == compiled, "the second identical run compiled a new program"
+    assert c.n == 0, f"the second identical run compiled {c.n} XLA executables"
+    assert second == first
