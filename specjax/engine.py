@@ -223,8 +223,8 @@ class Engine:
         impl, choice = pick(cfg)
         self.attention_choice = {"attention": str(choice)}
         target = attn_lib.configure(model, impl)
-        if draft is None:
-            return target, None
+        if draft is None or draft.model is None:  # plain decoding, or the n-gram drafter (no model, no KV)
+            return target, draft
         if draft.model is model:
             return target, dataclasses.replace(draft, model=target)
         d_impl, d_choice = pick(draft.kv_cfg)

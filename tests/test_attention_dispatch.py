@@ -137,3 +137,25 @@ def test_plain_steps_run_the_configured_kernel(monkeypatch):
                                None, stochastic=False)
     assert len(calls) == cfg.num_layers and all(k.get("block_kv") == 16 and k.get("interpret") for k in calls)
     assert np.asarray(out.tokens).shape == (2,)
+
+
+def test_engine_chooses_for_target_and_draft_models_only():
+    """The engine resolves the attention once for the target and for a draft model of its own; the
+    n-gram drafter has no model and no KV cache: nothing to choose for it."""
+    import dataclasses
+
+    from specjax.drafter import DraftInfo
+    from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
+    from specjax.tree import SpecConfig
+    cfg = tiny_config()
+    model = tiny_model(cfg)
+    opts = (CacheOptions(page_size=4, max_seq_len=32), BatchOptions(max_batch=2), jnp.float32)
+    eng = Engine(model, cfg, *opts, draft=Draft(None, None, DraftInfo("ngram"), SpecConfig(method="ngram", num_steps=3)))
+    assert eng.attention_choice == {"attention": "attention: reference (auto)"}
+    dcfg = dataclasses.replace(cfg, num_layers=1)
+    draft = Draft(tiny_model(dcfg, seed=1), dcfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=2))
+    eng = Engine(model, cfg, *opts, draft=draft, attention="reference")
+    assert eng.attention_choice == {"attention": "attention: reference (forced)",
+                                    "draft attention": "attention: reference (forced)"}
+    assert all(m.attn_impl == attention.REFERENCE for _, m in nnx.iter_modules(eng.draft.model)
+               if isinstance(m, Attention))
