@@ -362,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=HelpFormatter)
     spec_eval.add_arguments(ev)
     ev.set_defaults(fn=spec_eval.cmd_eval, parser=ev)
+
+    from specjax import serve_cli
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (speculative decoding on by default)")
+    serve_cli.add_arguments(sv)
+    sv.set_defaults(fn=serve_cli.cmd_serve)
     return p
 
 
