@@ -68,7 +68,8 @@ class BoundedGrammarCompiler:
         self.timeout = timeout
         self._info_json = self.tokenizer_info.serialize_json()
         self._proc = self._conn = None
-        self._job = threading.Lock()
+        self._job = threading.Lock()  # one compilation at a time
+        self._cache_lock = threading.Lock()
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_size = cache_size
         self.num_timeouts = 0
@@ -111,12 +112,23 @@ class BoundedGrammarCompiler:
             self._conn.close()
         self._proc = self._conn = None
 
-    def compile(self, key):
-        """The CompiledGrammar of a constraint key; GrammarError (invalid) or GrammarTimeout (too slow)."""
-        with self._job:
-            if key in self._cache:
+    def _cached(self, key):
+        with self._cache_lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
                 self._cache.move_to_end(key)
-                return self._cache[key]
+            return compiled
+
+    def compile(self, key):
+        """The CompiledGrammar of a constraint key; GrammarError (invalid) or GrammarTimeout (too slow).
+        Cached keys return at once, even while another key compiles."""
+        compiled = self._cached(key)
+        if compiled is not None:
+            return compiled
+        with self._job:
+            compiled = self._cached(key)
+            if compiled is not None:
+                return compiled
             self._ensure_child()
             t0 = time.perf_counter()
             self._conn.send(key)
@@ -138,9 +150,10 @@ class BoundedGrammarCompiler:
             compiled = xg.CompiledGrammar.deserialize_json(payload, self.tokenizer_info)
             self.num_compiled += 1
             self.last_compile_s = time.perf_counter() - t0
-            self._cache[key] = compiled
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            with self._cache_lock:
+                self._cache[key] = compiled
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
             return compiled
 
     def close(self) -> None:

@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (engine slots)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context: prompt + output tokens")
-    p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: every slot can fill its context)")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="KV cache pages (default: every slot can fill its context)")
     p.add_argument("--seed", type=int, default=0, help="seeds of requests that give none are drawn from this")
     p.add_argument("--tensor-parallel", type=int, default=1)
     spec = p.add_mutually_exclusive_group()
@@ -109,9 +110,20 @@ def cmd_serve(a) -> int:
                        max_concurrent=a.max_concurrent)
     print(f"specjax serve: model {name!r} ({llm.model_dir}, {a.dtype}), {mode}; "
           f"OpenAI API at http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+
+    stopped = threading.Event()
+
+    def stop_engine():
+        if not stopped.is_set():
+            stopped.set()
+            engine.shutdown()
+            print("specjax serve: engine stopped", file=sys.stderr, flush=True)
+
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM (the app's shutdown hook stops the engine), then
+    # re-raises the signal, so the process ends as the signal says
     try:
-        uvicorn.run(build_app(engine, cfg), host=a.host, port=a.port, log_level=a.log_level,
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(build_app(engine, cfg, on_shutdown=stop_engine), host=a.host, port=a.port,
+                    log_level=a.log_level, timeout_graceful_shutdown=5)
     finally:
-        engine.shutdown()
+        stop_engine()
     return 0

@@ -14,10 +14,12 @@ A request's path through the server:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
 from collections import Counter
+from collections.abc import Callable
 
 import anyio
 from fastapi import FastAPI, Request
@@ -50,7 +52,6 @@ class _State:
         self.in_flight = 0
         self.responses: Counter = Counter()  # (route, status code) -> count
         self.prompt_tokens = 0
-        self.rejected_busy = 0
 
 
 def error_body(status: int, message: str) -> dict:
@@ -179,14 +180,166 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def build_app(llm: AsyncLLM, cfg: ServerConfig) -> FastAPI:
-    """The ASGI app serving `llm` under cfg.model_name (the caller owns llm and shuts it down)."""
+class _Api:
+    """The generation routes' work: model check, ticket (429), submission, JSON or SSE bodies."""
+
+    def __init__(self, llm: AsyncLLM, cfg: ServerConfig, state: _State):
+        self.llm, self.cfg, self.state = llm, cfg, state
+        self.limits = oai.Limits(max_tokens=cfg.max_tokens or llm.max_seq_len, max_n=cfg.max_n,
+                                 max_prompt_tokens=cfg.max_prompt_tokens or llm.max_seq_len - 1)
+        self.text_of = oai.TokenText(llm.tokenizer)
+
+    def model_card(self) -> dict:
+        return {"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "specjax",
+                "max_model_len": self.llm.max_seq_len}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.cfg.model_name:
+            raise RequestError(f"unknown model {name!r}; this server serves {self.cfg.model_name!r}")
+
+    def take_ticket(self) -> Callable[[], None]:
+        """Count a generation request in flight (429 past the limit); returns its give-back (idempotent)."""
+        if self.state.in_flight >= self.cfg.max_concurrent:
+            raise HTTPException(429, f"too many requests in flight (this server's limit is {self.cfg.max_concurrent}); "
+                                "retry later")
+        self.state.in_flight += 1
+        returned = False
+
+        def give_back():
+            nonlocal returned
+            if not returned:
+                returned = True
+                self.state.in_flight -= 1
+        return give_back
+
+    async def submit(self, prompts, params) -> list:
+        """One stream per prompt x choice (prompt-major); all or none (a bad one cancels the rest)."""
+        streams = []
+        try:
+            for p_idx, prompt in enumerate(prompts):
+                for sp in params:
+                    streams.append(await self.llm.add_request(prompt, sp, index=p_idx,
+                                                              max_prompt_tokens=self.limits.max_prompt_tokens))
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+        self.state.prompt_tokens += sum(len(s.prompt_token_ids) for s in streams)
+        return streams
+
+    async def generate(self, request: Request, body, prompts, chat: bool):
+        self.check_model(body.model)
+        params = oai.sampling_params(body, self.limits, len(prompts))
+        give_back = self.take_ticket()
+        streams, handed_over = [], False
+        try:
+            streams = await self.submit(prompts, params)
+            rid, created = oai.new_id("chatcmpl" if chat else "cmpl"), oai.now()
+            k, n = params[0].logprobs, len(params)
+            if body.stream:
+                def on_close():
+                    for s in streams:
+                        s.cancel()
+                    give_back()
+                usage = body.stream_options is not None and body.stream_options.include_usage
+                chunks = (self.chat_chunks if chat else self.completion_chunks)(streams, rid, created, k, usage, n)
+                handed_over = True  # the response cancels the streams and returns the ticket when it ends
+                return _EventStream(chunks, on_close)
+            await _unless_disconnected(request, _drain(streams))
+            return self.final(streams, rid, created, chat, k, n)
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                for s in streams:
+                    s.cancel()
+                give_back()
+
+    def final(self, streams, rid, created, chat: bool, k: int | None, n: int) -> JSONResponse:
+        outs = [s.output for s in streams]
+        for o in outs:
+            if o.finish_reason == "error":
+                return _error(400 if not o.token_ids else 500, o.error)
+        choices = []
+        for i, o in enumerate(outs):
+            if chat:
+                c = {"index": i, "message": {"role": "assistant", "content": o.text},
+                     "logprobs": None if k is None else oai.chat_logprobs(self.text_of, o.token_ids, o.logprobs, k)}
+            else:
+                c = {"index": i, "text": o.text, "logprobs": None if k is None else
+                     oai.completion_logprobs(self.text_of, o.token_ids, o.logprobs, k, 0)}
+            c["finish_reason"] = o.finish_reason
+            choices.append(c)
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": self.cfg.model_name, "choices": choices,
+                             "usage": self.usage(streams, n)})
+
+    @staticmethod
+    def usage(streams, n: int) -> dict:
+        """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice."""
+        return oai.usage(sum(len(s.prompt_token_ids) for s in streams[::n]),
+                         sum(len(s.output.token_ids) for s in streams if s.output is not None))
+
+    async def completion_chunks(self, streams, rid, created, k, include_usage, n):
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.cfg.model_name}
+        offsets = [0] * len(streams)
+        async for i, d in _merge(streams):
+            if d.finish_reason in ("error", "cancelled"):
+                yield _stream_error(d)
+                return
+            lp = None
+            if k is not None and d.token_ids:
+                lp = oai.completion_logprobs(self.text_of, d.token_ids, d.logprobs, k, offsets[i])
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            yield _sse(dict(head, choices=[{"index": i, "text": d.text, "logprobs": lp,
+                                            "finish_reason": d.finish_reason}]))
+        if include_usage:
+            yield _sse(dict(head, choices=[], usage=self.usage(streams, n)))
+        yield "data: [DONE]\n\n"
+
+    async def chat_chunks(self, streams, rid, created, k, include_usage, n):
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.cfg.model_name}
+        for i in range(len(streams)):
+            yield _sse(dict(head, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]))
+        async for i, d in _merge(streams):
+            if d.finish_reason in ("error", "cancelled"):
+                yield _stream_error(d)
+                return
+            lp = None
+            if k is not None and d.token_ids:
+                lp = oai.chat_logprobs(self.text_of, d.token_ids, d.logprobs, k)
+            yield _sse(dict(head, choices=[{"index": i, "delta": {"content": d.text} if d.text else {},
+                                            "logprobs": lp, "finish_reason": d.finish_reason}]))
+        if include_usage:
+            yield _sse(dict(head, choices=[], usage=self.usage(streams, n)))
+        yield "data: [DONE]\n\n"
+
+
+async def _drain(streams) -> None:
+    for s in streams:
+        async for _ in s:
+            pass
+
+
+def _stream_error(delta) -> str:
+    status = 400 if delta.error and not delta.token_ids else 500
+    return _sse(error_body(status, delta.error or f"request {delta.finish_reason}")) + "data: [DONE]\n\n"
+
+
+def build_app(llm: AsyncLLM, cfg: ServerConfig, on_shutdown: Callable[[], None] | None = None):
+    """The ASGI app serving `llm` under cfg.model_name. The caller owns llm; on_shutdown runs when the
+    server shuts down (`specjax serve` stops the engine there)."""
     state = _State(cfg)
-    limits = oai.Limits(max_tokens=cfg.max_tokens or llm.max_seq_len, max_n=cfg.max_n,
-                        max_prompt_tokens=cfg.max_prompt_tokens or llm.max_seq_len - 1)
-    text_of = oai.TokenText(llm.tokenizer)
-    app = FastAPI(title="specjax", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.specjax = state
+    api = _Api(llm, cfg, state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        if on_shutdown is not None:
+            await asyncio.to_thread(on_shutdown)
+
+    app = FastAPI(title="specjax", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
@@ -214,151 +367,19 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig) -> FastAPI:
     async def metrics():
         return PlainTextResponse(render_metrics(llm, state), media_type="text/plain; version=0.0.4")
 
-    def model_card():
-        return {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "specjax",
-                "max_model_len": llm.max_seq_len}
-
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [api.model_card()]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         if name != cfg.model_name:
             raise HTTPException(404, f"unknown model {name!r}; this server serves {cfg.model_name!r}")
-        return model_card()
-
-    def check_model(name):
-        if name is not None and name != cfg.model_name:
-            raise RequestError(f"unknown model {name!r}; this server serves {cfg.model_name!r}")
-
-    def take_ticket():
-        if state.in_flight >= cfg.max_concurrent:
-            state.rejected_busy += 1
-            raise HTTPException(429, f"too many requests in flight (this server's limit is {cfg.max_concurrent}); "
-                                "retry later")
-        state.in_flight += 1
-        returned = False
-
-        def give_back():
-            nonlocal returned
-            if not returned:
-                returned = True
-                state.in_flight -= 1
-        return give_back
-
-    async def submit(prompts, params) -> list:
-        """One stream per prompt x choice (prompt-major); all or none (a bad one cancels the rest)."""
-        streams = []
-        try:
-            for p_idx, prompt in enumerate(prompts):
-                for sp in params:
-                    streams.append(await llm.add_request(prompt, sp, index=p_idx,
-                                                         max_prompt_tokens=limits.max_prompt_tokens))
-        except BaseException:
-            for s in streams:
-                s.cancel()
-            raise
-        state.prompt_tokens += sum(len(s.prompt_token_ids) for s in streams)
-        return streams
-
-    async def generate(request: Request, body, prompts, chat: bool):
-        check_model(body.model)
-        params = oai.sampling_params(body, limits, len(prompts))
-        give_back = take_ticket()
-        streams, handed_over = [], False
-        try:
-            streams = await submit(prompts, params)
-            rid, created = oai.new_id("chatcmpl" if chat else "cmpl"), oai.now()
-            if body.stream:
-                def on_close():
-                    for s in streams:
-                        s.cancel()
-                    give_back()
-                include_usage = body.stream_options is not None and body.stream_options.include_usage
-                make = _chat_chunks if chat else _completion_chunks
-                handed_over = True  # the response cancels the streams and returns the ticket when it ends
-                return _EventStream(make(streams, rid, created, params[0].logprobs, include_usage, len(params)),
-                                    on_close)
-            await _unless_disconnected(request, _drain(streams))
-            return _final(streams, rid, created, chat, params[0].logprobs, len(params))
-        except _ClientGone:
-            return Response(status_code=499)
-        finally:
-            if not handed_over:
-                for s in streams:
-                    s.cancel()
-                give_back()
-
-    async def _drain(streams):
-        for s in streams:
-            async for _ in s:
-                pass
-
-    def _final(streams, rid, created, chat, k, n) -> JSONResponse:
-        outs = [s.output for s in streams]
-        for o in outs:
-            if o.finish_reason == "error":
-                return _error(400 if not o.token_ids else 500, o.error)
-        choices = []
-        for i, o in enumerate(outs):
-            if chat:
-                c = {"index": i, "message": {"role": "assistant", "content": o.text},
-                     "logprobs": None if k is None else oai.chat_logprobs(text_of, o.token_ids, o.logprobs, k)}
-            else:
-                c = {"index": i, "text": o.text,
-                     "logprobs": None if k is None else oai.completion_logprobs(text_of, o.token_ids, o.logprobs, k, 0)}
-            c["finish_reason"] = o.finish_reason
-            choices.append(c)
-        prompt_tokens = sum(len(s.prompt_token_ids) for s in streams[::n])
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": cfg.model_name, "choices": choices,
-                             "usage": oai.usage(prompt_tokens, sum(len(o.token_ids) for o in outs))})
-
-    def _stream_error(delta) -> str:
-        status = 400 if delta.error and not delta.token_ids else 500
-        return _sse(error_body(status, delta.error or f"request {delta.finish_reason}")) + "data: [DONE]\n\n"
-
-    async def _completion_chunks(streams, rid, created, k, include_usage, n):
-        head = {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name}
-        offsets = [0] * len(streams)
-        async for i, d in _merge(streams):
-            if d.finish_reason in ("error", "cancelled"):
-                yield _stream_error(d)
-                return
-            lp = None
-            if k is not None and d.token_ids:
-                lp = oai.completion_logprobs(text_of, d.token_ids, d.logprobs, k, offsets[i])
-                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-            yield _sse(dict(head, choices=[{"index": i, "text": d.text, "logprobs": lp,
-                                            "finish_reason": d.finish_reason}]))
-        if include_usage:
-            yield _sse(dict(head, choices=[], usage=_stream_usage(streams, n)))
-        yield "data: [DONE]\n\n"
-
-    async def _chat_chunks(streams, rid, created, k, include_usage, n):
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_name}
-        for i in range(len(streams)):
-            yield _sse(dict(head, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]))
-        async for i, d in _merge(streams):
-            if d.finish_reason in ("error", "cancelled"):
-                yield _stream_error(d)
-                return
-            lp = oai.chat_logprobs(text_of, d.token_ids, d.logprobs, k) if k is not None and d.token_ids else None
-            yield _sse(dict(head, choices=[{"index": i, "delta": {"content": d.text} if d.text else {},
-                                            "logprobs": lp, "finish_reason": d.finish_reason}]))
-        if include_usage:
-            yield _sse(dict(head, choices=[], usage=_stream_usage(streams, n)))
-        yield "data: [DONE]\n\n"
-
-    def _stream_usage(streams, n) -> dict:
-        return oai.usage(sum(len(s.prompt_token_ids) for s in streams[::n]),
-                         sum(len(s.output.token_ids) for s in streams if s.output is not None))
+        return api.model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: oai.CompletionRequest):
-        return await generate(request, body, oai.prompts_of(body), chat=False)
+        return await api.generate(request, body, oai.prompts_of(body), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: oai.ChatCompletionRequest):
@@ -366,6 +387,6 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig) -> FastAPI:
             prompt = llm.llm.apply_chat_template(oai.chat_messages(body))
         except Exception as e:  # noqa: BLE001 - no template, or the template refuses the messages
             raise RequestError(f"cannot apply the chat template: {e}") from None
-        return await generate(request, body, [prompt], chat=True)
+        return await api.generate(request, body, [prompt], chat=True)
 
     return _Guard(app, state)

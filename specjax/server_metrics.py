@@ -22,12 +22,12 @@ def render_metrics(llm, state) -> str:
     out: list[str] = []
     _family(out, "specjax_engine_up", "gauge", "1 while the engine thread runs.", [({}, int(llm.error is None))])
     _family(out, "specjax_http_responses_total", "counter", "HTTP responses by route and status code.",
-            [({"route": r, "code": c}, n) for (r, c), n in sorted(state.responses.items())])
+            [({"route": r, "code": c}, n) for (r, c), n in sorted(dict(state.responses).items())])
     _family(out, "specjax_requests_in_flight", "gauge", "Generation HTTP requests being answered.",
             [({}, state.in_flight)])
     _family(out, "specjax_requests_finished_total", "counter",
             "Engine requests (one per prompt and choice) finished, by finish reason.",
-            [({"finish_reason": r}, n) for r, n in sorted(s.finished.items())])
+            [({"finish_reason": r}, n) for r, n in sorted(dict(s.finished).items())])
     _family(out, "specjax_prompt_tokens_total", "counter", "Prompt tokens of the requests submitted to the engine.",
             [({}, state.prompt_tokens)])
     _family(out, "specjax_generation_tokens_total", "counter", "Tokens generated.", [({}, s.generation_tokens)])

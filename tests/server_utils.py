@@ -27,3 +27,18 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+
+
+def wait_for(pred, timeout: float = 120.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def wait_idle(llm, timeout: float = 120.0) -> None:
+    """Until the AsyncLLM's engine holds no request, slot or page (stats written by its thread)."""
+    s = llm.stats
+    wait_for(lambda: s.running == s.waiting == s.kv_pages_used == 0 and llm._inbox.empty()
+             and not llm.engine.has_unfinished(), timeout, "the engine to be idle")
