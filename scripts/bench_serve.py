@@ -48,8 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--system-prompt-tokens", type=int, default=1000, help="length of the shared system prompt")
     p.add_argument("--shared-prefix", choices=["both", "on", "off"], default="both")
     p.add_argument("--prefix-cache", choices=["both", "on", "off"], default="both")
-    p.add_argument("--prompts", default=str(REPO / "data" / "prompts" / "mt_bench.jsonl"))
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--prompts", default=None, help="JSONL prompt set (default: the shipped mt_bench set)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="auto: float32 on the CPU, bfloat16 on GPUs")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -223,10 +224,11 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     sys.path.insert(0, str(REPO))
     from specjax.checkpoint import load_tokenizer
-    from specjax.default_model import DEFAULT_MODEL_DIR
-    tokenizer = load_tokenizer(a.model or DEFAULT_MODEL_DIR)
+    from specjax.default_model import ensure_default
+    tokenizer = load_tokenizer(a.model or ensure_default())
     rates = [float(r) for r in a.rates.split(",")]
-    questions = load_questions(a.prompts)
+    from specjax.assets import prompt_file
+    questions = load_questions(a.prompts or prompt_file("mt_bench"))
     system = system_prompt(tokenizer, a.system_prompt_tokens)
     workloads = {}
     if a.shared_prefix in ("both", "off"):

@@ -364,9 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(fn=spec_eval.cmd_eval, parser=ev)
 
     from specjax import serve_cli
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (speculative decoding on by default)")
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (speculative decoding on by default)",
+                        formatter_class=HelpFormatter)
     serve_cli.add_arguments(sv)
-    sv.set_defaults(fn=serve_cli.cmd_serve)
+    sv.set_defaults(fn=serve_cli.cmd_serve, parser=sv)
     return p
 
 
