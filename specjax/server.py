@@ -357,6 +357,10 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig, on_shutdown: Callable[[], None] 
     async def _dead(_, exc: EngineDeadError):
         return _error(503, f"the engine has stopped: {exc}")
 
+    @app.exception_handler(Exception)
+    async def _internal(_, exc: Exception):  # a bug or a broken worker: say what, in the API's error format
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
     @app.get("/health")
     async def health():
         if llm.error is not None:
