@@ -50,12 +50,14 @@ def resolve_speculation(a) -> str:
         plain = "plain decoding (--no-speculate)"
     elif a.draft is None and not a.speculate:
         if a.model is None:
-            a.speculate = True
+            a.speculate = "head"
         else:
-            plain = "plain decoding (no draft for --model: give --draft DIR to speculate)"
+            plain = "plain decoding (no draft for --model: give --draft DIR or --speculate ngram to speculate)"
     check_model_arguments(a)
     if plain is not None:
         return plain
+    if a.draft == "ngram":
+        return "speculative, n-gram drafter (prompt lookup)"
     if Path(a.draft) == Path(DEFAULT_HEAD_DIR):
         return f"speculative, shipped EAGLE-3 head {a.draft}"
     return f"speculative, draft {a.draft}"
@@ -80,7 +82,7 @@ def cmd_serve(a) -> int:
     import uvicorn
 
     from specjax.async_llm import AsyncLLM
-    from specjax.llm import LLM
+    from specjax.cli import llm_from_args
     from specjax.machine import log_backend
     from specjax.server import ServerConfig, build_app
     from specjax.cli import UsageError
@@ -93,8 +95,7 @@ def cmd_serve(a) -> int:
     if not _is_loopback(a.host) and a.api_key is None:
         print(f"specjax serve: warning: listening on {a.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    llm = LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, num_pages=a.num_pages,
-              seed=a.seed, draft=a.draft, spec=a.spec, tensor_parallel=a.tensor_parallel)
+    llm = llm_from_args(a, num_pages=a.num_pages, seed=a.seed)
     name = a.served_model_name or llm.model_dir.name
     engine = AsyncLLM(llm, grammar_timeout=a.grammar_timeout)
     threading.Thread(target=engine.start_grammar_worker, name="specjax-grammar-start", daemon=True).start()
