@@ -201,12 +201,13 @@ def check_model_arguments(a) -> None:
             raise UsageError(flag_message(str(e))) from None
 
 
-def llm_from_args(a):
-    """The LLM the flags of add_model_arguments describe (after check_model_arguments)."""
+def llm_from_args(a, **more):
+    """The LLM the flags of add_model_arguments describe (after check_model_arguments); `more`: other
+    LLM arguments (e.g. num_pages, seed)."""
     from specjax import LLM
     return LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft,
                spec=a.spec, tensor_parallel=a.tensor_parallel, kv_compact_impl=a.kv_compact_impl,
-               attention=a.attention)
+               attention=a.attention, **more)
 
 
 # ----------------------------------------------------------------------------- generate
@@ -362,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=HelpFormatter)
     spec_eval.add_arguments(ev)
     ev.set_defaults(fn=spec_eval.cmd_eval, parser=ev)
+
+    from specjax import serve_cli
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (speculative decoding on by default)",
+                        formatter_class=HelpFormatter)
+    serve_cli.add_arguments(sv)
+    sv.set_defaults(fn=serve_cli.cmd_serve, parser=sv)
     return p
 
 

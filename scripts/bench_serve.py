@@ -1,0 +1,295 @@
+"""Serving benchmark: Poisson arrivals against the real `specjax serve` (a subprocess on 127.0.0.1).
+
+For each decoding mode (plain: --no-speculate; spec: speculation with the shipped head or --draft), the
+server is started, warmed up (every prompt-length bucket and batch size compiled), then for each
+workload (with / without a shared system prompt of --system-prompt-tokens tokens) and each request rate,
+--num-requests streaming chat requests arrive with exponential gaps (rate "inf": all at once).
+Reported per run:
+  throughput   output tokens / s and requests / s over the run (first send to last token)
+  TTFT         send -> first streamed content (p50 / p99, ms)
+  ITL          gaps between consecutive streamed content chunks (p50 / p99, ms); a speculative step
+               delivers several tokens in one chunk, so also
+  TPOT         (last token - first token) / (output tokens - 1) per request (p50, ms)
+Prefix cache: when `specjax serve --help` offers --no-prefix-cache, runs are made with the cache on and
+off; otherwise the server has no prefix cache, and the script says so and makes one run per workload.
+
+CPU smoke run (tiny):
+  python scripts/bench_serve.py --dtype float32 --modes plain --num-requests 4 --rates 2 --max-tokens 8 \\
+      --system-prompt-tokens 100 --max-seq-len 512 --max-batch 4
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FILLER = ("The archive keeps records of every voyage: the ship, its crew, the ports it reached, the cargo it "
+          "carried and the weather it met. Answer questions about the archive briefly and precisely. ")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="converted model dir (default: the default model)")
+    p.add_argument("--draft", default=None, help="draft for the spec mode (default: the shipped EAGLE-3 head)")
+    p.add_argument("--modes", default="plain,spec", help="comma-separated: plain, spec")
+    p.add_argument("--rates", default="1,4,16,inf", help="requests per second, comma-separated ('inf': all at once)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (EOS ignored)")
+    p.add_argument("--system-prompt-tokens", type=int, default=1000, help="length of the shared system prompt")
+    p.add_argument("--shared-prefix", choices=["both", "on", "off"], default="both")
+    p.add_argument("--prefix-cache", choices=["both", "on", "off"], default="both")
+    p.add_argument("--prompts", default=None, help="JSONL prompt set (default: the shipped mt_bench set)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="auto: float32 on the CPU, bfloat16 on GPUs")
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=1800.0)
+    p.add_argument("--request-timeout", type=float, default=900.0)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--server-log", default=None, help="append the servers' output here (default: discarded)")
+    return p.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 10.0) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - 127.0.0.1 only
+        return r.status, r.read().decode()
+
+
+def server_has_prefix_cache() -> bool:
+    out = subprocess.run([sys.executable, "-m", "specjax.cli", "serve", "--help"], capture_output=True, text=True,
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+    return "--no-prefix-cache" in out.stdout
+
+
+class Server:
+    def __init__(self, a, mode: str, prefix_cache: bool | None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "specjax.cli", "serve", "--port", str(self.port), "--dtype", a.dtype,
+               "--max-batch", str(a.max_batch), "--max-seq-len", str(a.max_seq_len), "--log-level", "warning",
+               "--max-concurrent", str(max(256, a.num_requests * 2))]
+        if a.model:
+            cmd += ["--model", a.model]
+        if mode == "plain":
+            cmd += ["--no-speculate"]
+        elif a.draft:
+            cmd += ["--draft", a.draft]
+        if prefix_cache is False:
+            cmd += ["--no-prefix-cache"]
+        log = open(a.server_log, "a") if a.server_log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     env=dict(os.environ, PYTHONPATH=str(REPO)))
+        deadline = time.monotonic() + a.startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"specjax serve exited with {self.proc.returncode} ({' '.join(cmd)})")
+            try:
+                if _get(self.url + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"specjax serve did not start within {a.startup_timeout:.0f} s")
+            time.sleep(0.5)
+        self.model = json.loads(_get(self.url + "/v1/models")[1])["data"][0]["id"]
+
+    def metrics(self) -> dict[str, float]:
+        text = _get(self.url + "/metrics")[1]
+        return {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def system_prompt(tokenizer, n: int) -> str:
+    ids = tokenizer.encode(FILLER * (n // 20 + 2), add_special_tokens=False)[:n]
+    return tokenizer.decode(ids)
+
+
+def load_questions(path: str) -> list[str]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                out.append(row["turns"][0] if "turns" in row else row.get("prompt") or row["question"])
+    return out
+
+
+async def one_request(client, model, messages, a, rec: dict):
+    t0 = time.perf_counter()
+    rec.update(sent=t0, chunks=[], tokens=0, error=None)
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=a.max_tokens, temperature=a.temperature, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for ch in stream:
+            if ch.choices and ch.choices[0].delta.content:
+                rec["chunks"].append(time.perf_counter())
+            if ch.usage is not None:
+                rec["tokens"] = ch.usage.completion_tokens
+    except Exception as e:  # noqa: BLE001 - counted as a failed request
+        rec["error"] = f"{type(e).__name__}: {e}"
+
+
+async def run_load(server, a, convs, rate: float) -> dict:
+    import openai
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                timeout=a.request_timeout)
+    rng = random.Random(a.seed)
+    recs = [{} for _ in range(a.num_requests)]
+    tasks = []
+    t_start = time.perf_counter()
+    for i in range(a.num_requests):
+        tasks.append(asyncio.create_task(one_request(client, server.model, convs[i % len(convs)], a, recs[i])))
+        if math.isfinite(rate) and i + 1 < a.num_requests:
+            await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.wait_for(asyncio.gather(*tasks), a.request_timeout + 60)
+    await client.close()
+    return summarize(recs, t_start)
+
+
+def _pct(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
+
+
+def summarize(recs, t_start) -> dict:
+    ok = [r for r in recs if r["error"] is None and r["chunks"]]
+    end = max((r["chunks"][-1] for r in ok), default=t_start)
+    dur = max(end - t_start, 1e-9)
+    ttft = [(r["chunks"][0] - r["sent"]) * 1e3 for r in ok]
+    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
+    tpot = [(r["chunks"][-1] - r["chunks"][0]) * 1e3 / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    tokens = sum(r["tokens"] for r in ok)
+    errors = sorted({r["error"] for r in recs if r["error"]})
+    return dict(completed=len(ok), failed=len(recs) - len(ok), errors=errors[:3], duration_s=dur,
+                req_per_s=len(ok) / dur, out_tok_per_s=tokens / dur, ttft_p50_ms=_pct(ttft, 50),
+                ttft_p99_ms=_pct(ttft, 99), itl_p50_ms=_pct(itl, 50), itl_p99_ms=_pct(itl, 99),
+                tpot_p50_ms=_pct(tpot, 50))
+
+
+async def warm_up(server, a, workloads):
+    """Compile what the runs will use: 1, 2, 4 .. max_batch concurrent requests of each workload, then
+    one discarded all-at-once run over the prompts the runs send."""
+    import openai
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                timeout=a.request_timeout)
+    for convs in workloads.values():
+        n = 1
+        while True:
+            recs = [{} for _ in range(n)]
+            await asyncio.gather(*(one_request(client, server.model, convs[i % len(convs)], a, recs[i])
+                                   for i in range(n)))
+            bad = [r["error"] for r in recs if r["error"]]
+            if bad:
+                raise SystemExit(f"warm-up request failed: {bad[0]}")
+            if n >= min(a.max_batch, a.num_requests):
+                break
+            n = min(2 * n, a.max_batch, a.num_requests)
+    await client.close()
+    for convs in workloads.values():
+        res = await run_load(server, a, convs, float("inf"))
+        if res["failed"]:
+            raise SystemExit(f"warm-up run failed: {res['errors']}")
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    from specjax.checkpoint import load_tokenizer
+    from specjax.default_model import ensure_default
+    tokenizer = load_tokenizer(a.model or ensure_default())
+    rates = [float(r) for r in a.rates.split(",")]
+    from specjax.assets import prompt_file
+    questions = load_questions(a.prompts or prompt_file("mt_bench"))
+    system = system_prompt(tokenizer, a.system_prompt_tokens)
+    workloads = {}
+    if a.shared_prefix in ("both", "off"):
+        workloads["no shared prefix"] = [[{"role": "user", "content": q}] for q in questions]
+    if a.shared_prefix in ("both", "on"):
+        workloads[f"shared {a.system_prompt_tokens}-token system prompt"] = [
+            [{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+    for name, convs in workloads.items():  # room for max_tokens in the context
+        fits = [c for c in convs if a.max_tokens + len(tokenizer.encode(tokenizer.apply_chat_template(
+            c, tokenize=False, add_generation_prompt=True), add_special_tokens=False)) < a.max_seq_len]
+        if not fits:
+            raise SystemExit(f"no prompt of {name!r} leaves {a.max_tokens} tokens in --max-seq-len {a.max_seq_len}")
+        workloads[name] = fits
+    if server_has_prefix_cache():
+        caches = {"both": [True, False], "on": [True], "off": [False]}[a.prefix_cache]
+    else:
+        caches = [None]
+        print("[bench_serve] prefix cache: `specjax serve` has no prefix cache (no --no-prefix-cache flag); "
+              "every run is without one, and --prefix-cache is a no-op", flush=True)
+    results = []
+    for mode in a.modes.split(","):
+        for cache in caches:
+            label = {None: "n/a (none)", True: "on", False: "off"}[cache]
+            print(f"[bench_serve] starting specjax serve ({mode}, prefix cache {label})", flush=True)
+            server = Server(a, mode, cache)
+            try:
+                t0 = time.perf_counter()
+                asyncio.run(warm_up(server, a, workloads))
+                print(f"[bench_serve] warm-up {time.perf_counter() - t0:.0f} s", flush=True)
+                for wname, convs in workloads.items():
+                    for rate in rates:
+                        m0 = server.metrics()
+                        res = asyncio.run(run_load(server, a, convs, rate))
+                        m1 = server.metrics()
+                        steps = m1.get("specjax_spec_steps_total", 0) - m0.get("specjax_spec_steps_total", 0)
+                        toks = m1.get("specjax_spec_tokens_total", 0) - m0.get("specjax_spec_tokens_total", 0)
+                        res.update(mode=mode, prefix_cache=label, workload=wname, rate=rate,
+                                   tau=toks / steps if steps else None)
+                        results.append(res)
+                        print(f"[bench_serve] {mode} | {wname} | rate {rate:g}: {res['out_tok_per_s']:.1f} tok/s, "
+                              f"TTFT p50 {res['ttft_p50_ms']:.0f} ms, ITL p99 {res['itl_p99_ms']:.0f} ms"
+                              + (f", {res['failed']} failed: {res['errors']}" if res["failed"] else ""), flush=True)
+            finally:
+                server.stop()
+    print_table(results, a)
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(args=vars(a), results=results), indent=1))
+    return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def print_table(results, a) -> None:
+    print(f"\n{a.num_requests} requests x {a.max_tokens} output tokens, {a.dtype}, max_batch {a.max_batch}\n")
+    print("| mode | prefix cache | workload | rate (req/s) | done | req/s | out tok/s | TTFT p50 / p99 (ms) "
+          "| ITL p50 / p99 (ms) | TPOT p50 (ms) | tau |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
+        print(f"| {r['mode']} | {r['prefix_cache']} | {r['workload']} | {r['rate']:g} | {r['completed']} | "
+              f"{r['req_per_s']:.2f} | {r['out_tok_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+              f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['tpot_p50_ms']:.1f} | {tau} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""/metrics of `specjax serve` in the Prometheus text exposition format (version 0.0.4).
+
+Engine figures come from AsyncLLM.stats (written by the engine thread after each step); HTTP figures
+from the server's own counters. tau (mean tokens per speculative step, the bonus token included) is
+over finished requests. The engine has no prefix cache: specjax_prefix_cache_enabled is 0 and no hit
+rate is exported (a made-up 0 % would read as a measurement).
+"""
+from __future__ import annotations
+
+
+def _family(lines: list[str], name: str, kind: str, help_text: str, samples) -> None:
+    lines.append(f"# HELP {name} {help_text}")
+    lines.append(f"# TYPE {name} {kind}")
+    for labels, value in samples:
+        label = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        lines.append(f"{name}{{{label}}} {value}" if label else f"{name} {value}")
+
+
+def render_metrics(llm, state) -> str:
+    """llm: specjax.async_llm.AsyncLLM; state: the server's counters (in_flight, responses, prompt_tokens)."""
+    s = llm.stats
+    out: list[str] = []
+    _family(out, "specjax_engine_up", "gauge", "1 while the engine thread runs.", [({}, int(llm.error is None))])
+    _family(out, "specjax_http_responses_total", "counter", "HTTP responses by route and status code.",
+            [({"route": r, "code": c}, n) for (r, c), n in sorted(dict(state.responses).items())])
+    _family(out, "specjax_requests_in_flight", "gauge", "Generation HTTP requests being answered.",
+            [({}, state.in_flight)])
+    _family(out, "specjax_requests_finished_total", "counter",
+            "Engine requests (one per prompt and choice) finished, by finish reason.",
+            [({"finish_reason": r}, n) for r, n in sorted(dict(s.finished).items())])
+    _family(out, "specjax_prompt_tokens_total", "counter", "Prompt tokens of the requests submitted to the engine.",
+            [({}, state.prompt_tokens)])
+    _family(out, "specjax_generation_tokens_total", "counter", "Tokens generated.", [({}, s.generation_tokens)])
+    _family(out, "specjax_engine_steps_total", "counter", "Engine steps run.", [({}, s.engine_steps)])
+    _family(out, "specjax_requests_running", "gauge", "Requests holding an engine slot.", [({}, s.running)])
+    _family(out, "specjax_requests_waiting", "gauge", "Requests queued for a slot (queue length).",
+            [({}, s.waiting)])
+    _family(out, "specjax_kv_pages_used", "gauge", "KV cache pages held by requests.", [({}, s.kv_pages_used)])
+    _family(out, "specjax_kv_pages_total", "gauge", "KV cache pages that requests can hold.",
+            [({}, s.kv_pages_total)])
+    _family(out, "specjax_speculative", "gauge", "1 if the engine decodes speculatively.",
+            [({}, int(llm.speculative))])
+    if llm.speculative:
+        _family(out, "specjax_spec_steps_total", "counter", "Speculative steps of finished requests.",
+                [({}, s.spec_steps)])
+        _family(out, "specjax_spec_tokens_total", "counter", "Tokens emitted by those steps.", [({}, s.spec_tokens)])
+        if s.spec_steps:
+            _family(out, "specjax_spec_tau", "gauge",
+                    "Mean acceptance length: tokens per speculative step (bonus token included).",
+                    [({}, f"{s.spec_tokens / s.spec_steps:.4f}")])
+    _family(out, "specjax_prefix_cache_enabled", "gauge",
+            "0: this engine has no prefix cache, so no prefix-cache hit rate is exported.", [({}, 0)])
+    return "\n".join(out) + "\n"
