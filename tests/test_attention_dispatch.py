@@ -67,16 +67,18 @@ def test_resolve_auto_per_backend(monkeypatch, caplog):
     assert name == "reference" and "page_size 8 is not a multiple of 16" in note
     name, note = auto(backend="tpu", dtype=jnp.float32, page_size=16, head_dim=64)
     assert name == "reference" and "head_dim 64" in note
-    # GPU (pretend Hopper): Mosaic GPU for bf16; Triton for f32 or small pages; reasons kept
+    # GPU: cuDNN for bf16 / fp16, the reference for f32 (the kernels are opt-in, see AUTO_ORDER)
     monkeypatch.setattr(attention, "_gpu_kind", lambda: "9.0")
-    assert auto(backend="gpu", **bf16)[0] == "mosaic_gpu"
+    assert auto(backend="gpu", **bf16)[0] == "cudnn"
     name, note = auto(backend="gpu", dtype=jnp.float32, page_size=16, head_dim=128)
-    assert name == "pallas" and "bf16 / f16" in note
-    name, note = auto(backend="gpu", dtype=jnp.bfloat16, page_size=4, head_dim=128)
-    assert name == "pallas" and "page_size 4" in note
+    assert name == "reference" and "bf16 / fp16" in note
+    # forced kernels still check what they need (Hopper, page sizes), with the reason
+    assert attention.resolve("mosaic_gpu", backend="gpu", **bf16)[0].name == "mosaic_gpu"
+    with pytest.raises(Exception, match="page_size 4"):
+        attention.resolve("mosaic_gpu", backend="gpu", dtype=jnp.bfloat16, page_size=4, head_dim=128)
     monkeypatch.setattr(attention, "_gpu_kind", lambda: "8.0")
-    name, note = auto(backend="gpu", **bf16)
-    assert name == "pallas" and "Hopper" in note
+    with pytest.raises(Exception, match="Hopper"):
+        attention.resolve("mosaic_gpu", backend="gpu", **bf16)
     # tensor parallelism: no kernels yet, said so by the order (cuDNN, reference)
     assert auto(backend="gpu", mesh=object(), **bf16)[0] == "cudnn"
     assert auto(backend="gpu", mesh=object(), dtype=jnp.float32, page_size=16, head_dim=128)[0] == "reference"
