@@ -103,7 +103,7 @@ class Request:
             n, reason = room, "length"
         if not self.stop_ids.isdisjoint(tokens[:n]):
             n, reason = next(i for i in range(n) if tokens[i] in self.stop_ids) + 1, "stop"
-        self.token_ids.extend(int(t) for t in tokens[:n])
+        self.token_ids.extend(map(int, tokens[:n]))
         if self.grammar is not None and n:
             if not self._advance_grammar(tokens[0]):
                 self._add_logprobs(logprobs, tops, 1)
