@@ -5,14 +5,13 @@ grammars on with the overlap on or off; optionally plain decoding) it runs the t
 compile, then again measuring, in that one run:
 
   wall ms/step    mean wall time of engine.step() over the steady state (every row running)
-  device ms/step  device time of the programs those steps dispatched: each program call is timed
-                  on the host when it returns (enqueued) and a thread blocks on its first output to
-                  time its completion; programs run in order, so program i keeps the device busy
-                  from max(done[i-1], enqueued[i]) to done[i]
+  device ms/step  time the device was busy during those steps: each program call is timed on the
+                  host when it returns (enqueued) and a thread blocks on its first output to time
+                  its completion; programs run in order, so program i keeps the device busy from
+                  max(done[i-1], enqueued[i]) to done[i]
   bubble          1 - device / wall over the steady steps: the share of wall time the device waits
-                  for the host (reported as measured: a small negative value is timing noise at
-                  the window's edges, not clamped). On the CPU a program runs (partly) inside its
-                  dispatch call, so these two figures mean something on GPUs only.
+                  for the host (reported as measured, not clamped). On the CPU a program runs
+                  (partly) inside its dispatch call, so these two figures mean something on GPUs only.
   tok/s           tokens delivered per second over the steady state (and over the whole run)
 
 Grammars: "any" is a permissive regex (every token allowed, the tokens equal the unconstrained
@@ -111,10 +110,14 @@ class DeviceTimeline:
         for attr, progs in self._saved.items():
             setattr(self.eng, attr, progs)
 
-    def busy(self, i: int) -> float:
-        """Seconds program i kept the device busy."""
-        start = self.enqueued[i] if i == 0 else max(self.done[i - 1], self.enqueued[i])
-        return self.done[i] - start
+    def busy_within(self, a: float, b: float) -> float:
+        """Seconds the device was busy between host times a and b: program i is busy from
+        max(done[i-1], enqueued[i]) to done[i]."""
+        total, prev = 0.0, float("-inf")
+        for enq, done in zip(self.enqueued, self.done):
+            start, prev = max(prev, enq), done
+            total += max(0.0, min(done, b) - max(start, a))
+        return total
 
 
 def scenario(llm, name, prompts, grammar, sched, max_tokens):
@@ -128,27 +131,27 @@ def scenario(llm, name, prompts, grammar, sched, max_tokens):
     reqs = llm._requests(prompts, params)
     for r in reqs:
         eng.add_request(r)
-    times, toks, full, progs = [], [], [], []
+    spans, toks, full, progs = [], [], [], []
     with DeviceTimeline(eng) as tl:
         t_all = time.perf_counter()
         while eng.has_unfinished():
             n0 = len(tl.enqueued)
             t = time.perf_counter()
             ups = eng.step()
-            times.append(time.perf_counter() - t)
-            progs.append(range(n0, len(tl.enqueued)))
+            spans.append((t, time.perf_counter()))
+            progs.append(len(tl.enqueued) - n0)
             toks.append(sum(len(u.token_ids) for u in ups))
             full.append(sum(r is not None for r in eng.slots) == B)
         run_s = time.perf_counter() - t_all
-    steady = [i for i in range(2, len(times)) if full[i] and full[i - 1]]
-    wall_s = sum(times[i] for i in steady)
-    dev_s = sum(tl.busy(j) for i in steady for j in progs[i])
+    steady = [i for i in range(2, len(spans)) if full[i] and full[i - 1]]
+    wall_s = sum(spans[i][1] - spans[i][0] for i in steady)
+    dev_s = sum(tl.busy_within(*spans[i]) for i in steady)  # device busy during the steady steps
     n = len(steady)
     taus = [np.mean(r.accept_lens) for r in reqs if r.accept_lens]
     return dict(name=name, batch=B, grammar=grammar or "none", async_loop=sched.async_loop, overlap=sched.overlap,
                 steady_steps=n, wall_ms=wall_s / n * 1e3 if n else float("nan"),
                 device_ms=dev_s / n * 1e3 if n else float("nan"), bubble=1 - dev_s / wall_s if n else float("nan"),
-                programs_per_step=sum(len(progs[i]) for i in steady) / n if n else float("nan"),
+                programs_per_step=sum(progs[i] for i in steady) / n if n else float("nan"),
                 tok_s=sum(toks[i] for i in steady) / wall_s if n else float("nan"), tok_s_run=sum(toks) / run_s,
                 tokens_per_step=sum(toks[i] for i in steady) / max(1, n),
                 accept_len_mean=float(np.mean(taus)) if taus else float("nan"),
