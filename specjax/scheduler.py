@@ -99,8 +99,6 @@ class Scheduler:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.max_prefill_tokens = max_prefill_tokens
-        # longest piece of one prefill call (prefill lengths are buckets up to it)
-        self.chunk = max(MIN_PREFILL_LEN, min(max_prefill_tokens, max_seq_len))
         self.prefix_caching, self.key_shift = prefix_caching, key_shift
         self.prefix = PrefixStats()
         self.ahead, self.advance = ahead, advance
@@ -124,6 +122,11 @@ class Scheduler:
     def decoding(self) -> list[tuple[int, Request]]:
         """The running slots whose prefill is complete (they take part in decode steps)."""
         return [(i, r) for i, r in enumerate(self.slots) if r is not None and i not in self.prefilling]
+
+    @property
+    def chunk(self) -> int:
+        """The longest piece of one prefill call (prefill lengths are buckets up to it)."""
+        return max(MIN_PREFILL_LEN, min(self.max_prefill_tokens, self.max_seq_len))
 
     def prefill_len(self, n: int) -> int:
         """Padded length of a prefill call whose longest piece has n tokens."""
