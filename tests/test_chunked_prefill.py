@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import IdTokenizer, tiny_config, tiny_model
+from helpers import IdTokenizer, prefill_kv, tiny_config, tiny_model
 from test_spec_eagle import random_head
 
 from specjax import sharding
@@ -141,6 +141,14 @@ def test_speculative_chunked_equals_unchunked(world, plain_eng):
     chunked = run(eng, prompts)
     assert [r.token_ids for r in chunked] == plain[:2]
     assert [r.accept_lens for r in chunked] == [r.accept_lens for r in ref]
+    # the K/V of every prompt entry, target and draft, right after the prefill: chunked == unchunked
+    kv = []
+    for budget in (8192, 16):
+        eng.sched.max_prefill_tokens = budget
+        kv.append(prefill_kv(eng, _requests([LONG], GREEDY)[0]))
+        _clean(eng)
+    for a, b in zip(*kv):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
     for _ in range(2):  # the second time with all pages cached
         cached = run(eng, prompts + [LONG[:70] + [3, 4]], prefix_cache=True)
         assert [r.token_ids for r in cached] == plain

@@ -12,7 +12,7 @@ import contextlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import IdTokenizer, tiny_config, tiny_model
+from helpers import IdTokenizer, prefill_kv, tiny_config, tiny_model
 from test_spec_eagle import random_head
 
 from specjax.drafter import DraftInfo
@@ -32,9 +32,11 @@ SYSTEM = [int(t) for t in _rng.integers(0, 96, size=37)]
 OTHER = [int(t) for t in _rng.integers(0, 96, size=21)]
 THIRD = [int(t) for t in _rng.integers(0, 96, size=30)]
 # SYSTEM + a suffix (one twice: the same pages computed in one call register once), a prefix of
-# SYSTEM, a second family
+# SYSTEM, a second family, and one that leaves SYSTEM at token 32, a page boundary (an EAGLE head's
+# entry 31 holds token 32: that page must not be reused)
 PROMPTS = ([SYSTEM + [int(t) for t in _rng.integers(0, 96, size=n)] for n in (1, 6, 19, 0)]
-           + [SYSTEM + [5, 6], SYSTEM + [5, 6], SYSTEM[:33], OTHER + [1, 2, 3], OTHER + [4]])
+           + [SYSTEM + [5, 6], SYSTEM + [5, 6], SYSTEM[:33], OTHER + [1, 2, 3], OTHER + [4]]
+           + [SYSTEM[:32] + [(SYSTEM[32] + 1) % 96] + [int(t) for t in _rng.integers(0, 96, size=5)]])
 
 
 def common(a, b) -> int:
@@ -226,6 +228,32 @@ def test_speculative_cached_equals_plain(world, reference, case):
     eng = spec_engine(world, case)
     assert eng.sched.key_shift == (0 if case.startswith("draft") else 1)
     _check_cached_runs(eng, reference)
+
+
+def kv_of(eng, prompt, cached: bool):
+    """(target, draft) K/V of the prompt's entries right after its prefill, with or without the
+    prefix cache, and the tokens it reused."""
+    eng.sched.prefix_caching = cached
+    req = Request(0, None, prompt, GREEDY, IdTokenizer(), (EOS,), MAX_SEQ, 0)
+    kv = prefill_kv(eng, req)
+    eng.sched.prefix_caching = True
+    assert_clean(eng)
+    return kv, req.num_cached_tokens
+
+
+@pytest.mark.parametrize("case", list(SPEC_CASES))
+def test_shared_pages_hold_what_the_request_would_compute(world, case):
+    """Right after prefill, the K/V of every prompt entry (target and draft) in the slot of a request
+    that reused pages equals what it computes without the cache, also when its prompt leaves a cached
+    one at a page boundary (an EAGLE head's last entry of a page holds the next token)."""
+    eng = spec_engine(world, case)
+    _run(eng, PROMPTS)  # every page cached
+    for p in (PROMPTS[9], PROMPTS[2]):
+        (t0, d0), hit0 = kv_of(eng, p, cached=False)
+        (t1, d1), hit1 = kv_of(eng, p, cached=True)
+        assert hit0 == 0 and hit1 > 0
+        np.testing.assert_allclose(t1, t0, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(d1, d0, rtol=1e-5, atol=1e-5)
 
 
 @contextlib.contextmanager
