@@ -213,7 +213,8 @@ class Engine:
             mode = (f"speculative ({self.draft.info.method}: num_steps={s.num_steps} topk={s.topk} "
                     f"num_draft_tokens={s.num_draft_tokens}, lookahead {self.lookahead})")
         return (f"{mode}; {b.max_batch} slots of {self.sched.capacity} cache entries (max_seq_len {c.max_seq_len}), "
-                f"{num_pages} pages of {c.page_size}, {jnp.dtype(dtype).name}; "
+                f"{num_pages} pages of {c.page_size}, {jnp.dtype(dtype).name}, prefix cache "
+                f"{'on' if c.prefix_cache else 'off'}, prefill chunks of {self.sched.chunk} tokens; "
                 f"kernels: kv_compact={kernel_note}; " + "; ".join(self.attention_choice.values()))
 
     def _choose_attention(self, attention, model, cfg, draft, page_size, dtype, mesh):
@@ -419,11 +420,11 @@ class Engine:
         firsts = [pc for pc in pieces if pc.first]
         if firsts:
             self._admit_slots(firsts)
-        finals = [(pc.slot, pc.req if pc.final else None) for pc in pieces]
+        samplers = [(pc.slot, pc.req if pc.final else None) for pc in pieces]  # rows whose sample is used
         mask = None
-        if any(r is not None and r.grammar is not None for _, r in finals):
-            mask = self._next_masks(finals, B)
-        flags = self._flags([r for _, r in finals if r is not None])
+        if any(r is not None and r.grammar is not None for _, r in samplers):
+            mask = self._next_masks(samplers, B)
+        flags = self._flags([r for _, r in samplers if r is not None])
         rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
         if self.draft is None:
             out, trees, self.state, self.samp = self.steps.prefill(self.weights, self.state, self.samp, rows, samp,
@@ -431,7 +432,9 @@ class Engine:
         else:
             out, trees, self.state, self.samp = self.spec_steps.prefill(
                 self.weights, self.draft_weights, self.state, self.samp, rows, samp, mask, **flags)
-        self._push("prefill", out, trees, [(b, pc.slot, pc.req) for b, pc in enumerate(pieces) if pc.final], 0)
+        finals = [(b, pc.slot, pc.req) for b, pc in enumerate(pieces) if pc.final]
+        if finals:  # a call of unfinished prefills only has nothing to read
+            self._push("prefill", out, trees, finals, 0)
 
     def _admit_slots(self, firsts: list[Piece]):
         """The per-slot state of newly admitted slots that needs their whole sequence (a piece may
