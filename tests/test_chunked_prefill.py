@@ -1,8 +1,8 @@
 """Chunked prefill: a prompt longer than max_prefill_tokens is prefilled in chunks, one per engine
 step, while the running requests keep decoding between the chunks. Greedy float32 outputs equal
-the unchunked ones (plain decoding, an EAGLE-1 chain, a draft model tree under tensor parallelism;
-with penalties, whose prompt set covers the whole prompt; together with the prefix cache), and so
-does speculative acceptance (the draft's state across chunks is its own). The budget is a host
+the unchunked ones (plain decoding, an EAGLE-1 chain, the n-gram drafter, a draft model tree under
+tensor parallelism; with penalties, whose prompt set covers the whole prompt; together with the
+prefix cache), and so does speculative acceptance (the draft's state across chunks is its own). The budget is a host
 setting: the tests switch it on one engine (Scheduler.max_prefill_tokens)."""
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ LONG = [int(t) for t in _rng.integers(0, 96, size=150)]
 SHORT = [[int(t) for t in _rng.integers(0, 96, size=n)] for n in (5, 20, 11)]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 STREAM = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+STREAM_NG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +155,25 @@ def test_speculative_chunked_equals_unchunked(world, plain_eng):
         assert [r.token_ids for r in cached] == plain
         assert [r.accept_lens for r in cached[:2]] == [r.accept_lens for r in ref]
     assert [r.num_cached_tokens for r in cached] == [144, 16, 64]
+
+
+def test_ngram_drafter_sees_the_whole_prompt(world, plain_eng):
+    """The n-gram drafter looks its drafts up in the slot's token history, which an admission writes
+    whole (a piece holds part of it only; a cached prefix is in no piece): chunked and cached runs
+    accept exactly what the unchunked, uncached run accepts, and give plain decoding's tokens."""
+    motif = LONG[:12]
+    prompts = [motif * 8 + SHORT[0], motif * 5 + SHORT[1], (motif * 6)[:61]]  # repetitive: drafts hit
+    plain = [r.token_ids for r in run(plain_eng, prompts, STREAM_NG)]
+    eng = _engine(world, Draft(None, None, DraftInfo("ngram"), SpecConfig(method="ngram", num_steps=4)),
+                  page_size=8, max_batch=2)
+    assert eng.sched.key_shift == 0  # no draft KV in the pages
+    ref = run(eng, prompts, STREAM_NG)
+    assert [r.token_ids for r in ref] == plain and max(np.mean(r.accept_lens) for r in ref) > 1.2
+    for budget, cached in ((16, False), (16, True), (8192, True)):
+        reqs = run(eng, prompts, STREAM_NG, budget=budget, prefix_cache=cached)
+        assert [r.token_ids for r in reqs] == plain
+        assert [r.accept_lens for r in reqs] == [r.accept_lens for r in ref]
+    assert min(r.num_cached_tokens for r in reqs) >= 56
 
 
 def test_tensor_parallel_with_prefix_cache_and_chunks(world, plain_eng):
