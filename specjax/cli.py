@@ -168,6 +168,12 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                         "compile here). The engine's info line on stderr names the one that runs")
     g.add_argument("--ngram-max", type=positive_int, default=4, help="n-gram drafter: longest suffix matched")
     g.add_argument("--ngram-min", type=positive_int, default=1, help="n-gram drafter: shortest suffix matched")
+    from specjax.engine import BatchOptions
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not reuse the KV pages of prompt prefixes computed before (same outputs)")
+    g.add_argument("--max-prefill-tokens", type=positive_int, default=BatchOptions.max_prefill_tokens,
+                   help="tokens of one prefill call; longer prompts are prefilled in chunks between the decode "
+                        "steps of running requests (lower: steadier streams while long prompts arrive)")
 
 
 def check_model_arguments(a) -> None:
@@ -207,7 +213,8 @@ def llm_from_args(a, **more):
     from specjax import LLM
     return LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft,
                spec=a.spec, tensor_parallel=a.tensor_parallel, kv_compact_impl=a.kv_compact_impl,
-               attention=a.attention, **more)
+               attention=a.attention, prefix_cache=a.prefix_cache, max_prefill_tokens=a.max_prefill_tokens,
+               **more)
 
 
 # ----------------------------------------------------------------------------- generate

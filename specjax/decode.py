@@ -4,6 +4,11 @@ Every step is f(inputs, params, state, cfg) -> (outputs, state); `state` (KV cac
 last token of each slot, optionally the penalty state) is donated and lives on the device,
 indexed by slot. With `DecodeState.penalties` set, every sampled token is drawn from penalised
 logits (specjax.penalties) and counted; without it the programs are those of no penalties.
+
+Prefill works on pieces (`PrefillRows`): row b appends tokens[b, :lens[b]] at cache index start[b]
+of its slot, attending to the slot's cached entries before start[b] (a shared prefix, earlier
+chunks) and causally to its own new tokens. A row's `final` piece ends the prompt: it samples the
+first output token; other pieces only fill the cache (chunked prefill).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from flax import nnx
 
 from specjax import penalties as pen_lib
 from specjax import sampling
-from specjax.kv_cache import KVCache, step_meta
+from specjax.kv_cache import KVCache, meta_at, step_meta
 from specjax.penalties import PenaltyParams, PenaltyState
 
 
@@ -27,6 +32,24 @@ class DecodeState:
     cache: KVCache
     last_tokens: jax.Array  # [max_slots] int32: last sampled token of each slot
     penalties: PenaltyState | None = None  # None: no penalties (compiled out)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PrefillRows:
+    """The rows of one prefill call (padding rows: lens 0, slot >= max_slots)."""
+    tokens: jax.Array  # [B, T] int32 new tokens, right-padded
+    start: jax.Array  # [B] int32 cache index (= position) of tokens[:, 0]; the cache holds what is before
+    lens: jax.Array  # [B] int32 new tokens of each row
+    slots: jax.Array  # [B] int32
+    final: jax.Array  # [B] bool the prompt ends here: sample the first output token
+    next_ids: jax.Array  # [B] int32 the prompt token after a non-final piece (a shifted draft reads it)
+
+
+def whole_prompts(tokens, lens, slots) -> PrefillRows:
+    """Rows that prefill whole prompts tokens [B, T] (lens [B]) from position 0."""
+    zero = jnp.zeros_like(lens)
+    return PrefillRows(tokens=tokens, start=zero, lens=lens, slots=slots, final=lens > 0, next_ids=zero)
 
 
 @jax.tree_util.register_dataclass
@@ -69,24 +92,44 @@ def count_first(pen: PenaltyState | None, slots, lens, first_tokens) -> PenaltyS
     return pen_lib.add_tokens(pen, slots, first_tokens[:, None], (lens > 0).astype(jnp.int32))
 
 
-def target_prefill(model, cache: KVCache, tokens, lens, slots, samp, want_logprobs, stochastic,
+def target_prefill(model, cache: KVCache, rows: PrefillRows, samp, want_logprobs, stochastic,
                    aux_layers: tuple[int, ...] = (), pen: PenaltyState | None = None, token_mask=None):
-    """Prefill ragged prompts from position 0 and sample the first token (shared by the plain and
-    the speculative paths). pen: penalty state already reset for the slots (prefill_penalties), or
-    None; the caller counts the sampled token (count_first). Returns (StepOut, h [B, T, E], aux
-    hidden states, cache with the slots' lengths set)."""
-    B, T = tokens.shape
-    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(0, mode="drop"))
-    safe_slots = jnp.clip(slots, 0, cache.seq_lens.shape[0] - 1)
-    meta = step_meta(cache, safe_slots, lens, T)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h, cache, aux = model(tokens, positions, cache, meta, aux_layers)
-    last = jnp.clip(lens - 1, 0, T - 1)
+    """Prefill pieces into the target and sample after each row's last new token (shared by the
+    plain and the speculative paths; only final rows' samples are used). pen: the penalty state
+    (the slots already reset, prefill_penalties) or None; the caller counts the sampled token
+    (count_first). Returns (StepOut, h [B, T, E], aux hidden states, cache with the slots' lengths
+    set to start + lens)."""
+    B, T = rows.tokens.shape
+    safe_slots = jnp.clip(rows.slots, 0, cache.seq_lens.shape[0] - 1)
+    meta = meta_at(cache.page_table[safe_slots], rows.start, rows.lens, T, cache.page_size)
+    positions = rows.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    h, cache, aux = model(rows.tokens, positions, cache, meta, aux_layers)
+    last = jnp.clip(rows.lens - 1, 0, T - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, E]
     pen_rows = None if pen is None else pen_lib.rows(pen, safe_slots)
-    out = _finish(model, h_last, samp, lens, want_logprobs, stochastic, pen_rows, token_mask)
-    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].set(lens, mode="drop"))
+    out = _finish(model, h_last, samp, rows.start + rows.lens, want_logprobs, stochastic, pen_rows, token_mask)
+    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[rows.slots].set(rows.start + rows.lens, mode="drop"))
     return out, h, aux, cache
+
+
+def final_slots(rows: PrefillRows, max_slots: int):
+    """[B] the slots of the final rows; max_slots (dropped by updates) for the others."""
+    return jnp.where(rows.final & (rows.lens > 0), rows.slots, max_slots)
+
+
+def prefill_rows(graphdef, params, state: DecodeState, rows: PrefillRows, samp, want_logprobs=False,
+                 stochastic=True, token_mask=None):
+    """Prefill pieces (token_mask: optional [B, W] grammar bitmask of the first token). The
+    penalty state of the admitted slots must already be reset (prefill_penalties). Final rows
+    sample their first token. Returns (StepOut, state)."""
+    model = nnx.merge(graphdef, params)
+    pen = state.penalties
+    out, _, _, cache = target_prefill(model, state.cache, rows, samp, want_logprobs, stochastic, pen=pen,
+                                      token_mask=token_mask)
+    fin = final_slots(rows, state.last_tokens.shape[0])
+    pen = count_first(pen, fin, rows.lens, out.tokens)
+    last_tokens = state.last_tokens.at[fin].set(out.tokens, mode="drop")
+    return out, DecodeState(cache, last_tokens, pen)
 
 
 def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, want_logprobs=False,
@@ -97,13 +140,9 @@ def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, wan
     slots: [B] int32 (padding rows may hold any index >= max_slots). penalty_params: the rows'
     penalties (needs state.penalties; None: the slots' penalties are off). Returns (StepOut, state).
     """
-    model = nnx.merge(graphdef, params)
     pen = prefill_penalties(state.penalties, tokens, lens, slots, penalty_params)
-    out, _, _, cache = target_prefill(model, state.cache, tokens, lens, slots, samp, want_logprobs, stochastic,
-                                      pen=pen, token_mask=token_mask)
-    pen = count_first(pen, slots, lens, out.tokens)
-    last_tokens = state.last_tokens.at[slots].set(out.tokens, mode="drop")
-    return out, DecodeState(cache, last_tokens, pen)
+    return prefill_rows(graphdef, params, dataclasses.replace(state, penalties=pen), whole_prompts(tokens, lens, slots),
+                        samp, want_logprobs, stochastic, token_mask)
 
 
 def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logprobs=False, stochastic=True,

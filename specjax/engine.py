@@ -7,11 +7,14 @@ The host (specjax.scheduler) keeps the queue, the slots, the page allocator and 
 lengths, and reads each step's emitted tokens.
 
 One engine step (`Engine.step`):
-  1. admit queued requests into free slots: one bucketed prefill dispatch;
+  1. prefill: the next chunk of each unfinished prefill and queued requests admitted into free slots
+     (after the pages of their longest cached prefix, which they share), within the token budget
+     `max_prefill_tokens`: one bucketed prefill dispatch (specjax.scheduler.plan_prefill);
   2. reserve KV pages for the next step of every running slot, for an upper bound of its length
      (the step still in flight may add up to `advance` positions), preempting the youngest request
      when pages run out;
-  3. dispatch step t+1 for the running slots (rows bucketed to a power of two);
+  3. dispatch step t+1 for the running slots whose prefill is complete (rows bucketed to a power of
+     two): a long prompt's chunks alternate with the decode steps of the others;
   4. read step t's outputs (their device->host copy started when t was dispatched) and deliver the
      tokens. A request that finished or was cancelled leaves the batch here, one step late: what
      step t+1 computed for it is dropped, so the outputs are those of the synchronous loop
@@ -37,11 +40,12 @@ from flax import nnx
 
 from specjax import attention as attn_lib
 from specjax import programs as prog
+from specjax.decode import PrefillRows
 from specjax.kernels import KV_COMPACT_CHOICES, Kernels, choose_kv_compact, compact_shapes
 from specjax.kv_cache import init_cache
 from specjax.request import Request
 from specjax.sampling import SamplingArrays
-from specjax.scheduler import MIN_PREFILL_LEN, Scheduler, SchedulerOptions, bucket, slot_pages
+from specjax.scheduler import MIN_PREFILL_LEN, Piece, Scheduler, SchedulerOptions, bucket, slot_pages
 
 __all__ = ["BatchOptions", "CacheOptions", "Draft", "Engine", "SchedulerOptions", "StepUpdate"]
 
@@ -53,12 +57,14 @@ class CacheOptions:
     page_size: int = 16
     max_seq_len: int = 2048
     num_pages: int | None = None  # default: every slot can reach max_seq_len (plus a speculative step)
+    prefix_cache: bool = True  # share the KV pages of cached prompt prefixes between requests
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchOptions:
     max_batch: int = 8
-    max_prefill_tokens: int = 8192  # rows * padded length of one prefill call
+    max_prefill_tokens: int = 8192  # rows * padded length of one prefill call; longer prompts are
+    #                                 prefilled in chunks of this many tokens between decode steps
     steps_per_call: int = 8  # decode steps per dispatch; tokens past a request's stop are dropped
 
 
@@ -92,6 +98,11 @@ class _Dispatched:
     trees: tuple | None  # speculative: the rows' next trees (tokens, parents [B, N])
     rows: list[tuple[int, int, Request, int]]  # (row, slot, request, its epoch at dispatch)
     advance: int  # positions per row counted in the scheduler's `inflight`
+
+
+def _indexed(rows):
+    """(slot, request) rows -> (batch row, slot, request)."""
+    return [(b, s, r) for b, (s, r) in enumerate(rows)]
 
 
 def _as_rows(kind: str, x) -> np.ndarray:
@@ -147,7 +158,8 @@ class Engine:
         num_pages = cache_opts.num_pages or batch_opts.max_batch * pages_per_slot + 1
         self.sched = Scheduler(num_pages=num_pages, page_size=cache_opts.page_size, max_seq_len=cache_opts.max_seq_len,
                                max_batch=batch_opts.max_batch, max_prefill_tokens=batch_opts.max_prefill_tokens,
-                               ahead=ahead, advance=advance, tail=tail)
+                               ahead=ahead, advance=advance, tail=tail, prefix_caching=cache_opts.prefix_cache,
+                               key_shift=draft.info.shift if draft is not None and draft.info.has_model else 0)
         self.kernels, kernel_note = self._choose_kernels(kv_compact_impl, num_pages, dtype)
         if draft is None:
             self.steps, self.weights = prog.plain_programs(*nnx.split(model))
@@ -205,7 +217,8 @@ class Engine:
             mode = (f"speculative ({self.draft.info.method}: num_steps={s.num_steps} topk={s.topk} "
                     f"num_draft_tokens={s.num_draft_tokens}, lookahead {self.lookahead})")
         return (f"{mode}; {b.max_batch} slots of {self.sched.capacity} cache entries (max_seq_len {c.max_seq_len}), "
-                f"{num_pages} pages of {c.page_size}, {jnp.dtype(dtype).name}; "
+                f"{num_pages} pages of {c.page_size}, {jnp.dtype(dtype).name}, prefix cache "
+                f"{'on' if c.prefix_cache else 'off'}, prefill chunks of {self.sched.chunk} tokens; "
                 f"kernels: kv_compact={kernel_note}; " + "; ".join(self.attention_choice.values()))
 
     def _choose_attention(self, attention, model, cfg, draft, page_size, dtype, mesh):
@@ -254,6 +267,29 @@ class Engine:
     @property
     def num_preempted(self) -> int:
         return self.sched.num_preempted
+
+    def stats(self) -> dict:
+        """Counters for metrics: queue and slots, KV pages, prefix cache (hit rate = reused tokens /
+        looked-up tokens), prefilled tokens, preemptions."""
+        a, st = self.alloc, self.sched.prefix
+        return {
+            "queue_length": len(self.sched.queue),
+            "running": sum(r is not None for r in self.sched.slots),
+            "prefilling": len(self.sched.prefilling),
+            "pages_total": a.num_pages - 1,
+            "pages_in_use": a.num_in_use,
+            "pages_cached": len(a.cached),  # unused but kept for reuse (evicted when needed)
+            "pages_free": a.num_free,  # cached pages included
+            "prefix_cache": self.sched.prefix_caching,
+            "prefix_cache_queries": st.queries,
+            "prefix_cache_hits": st.hits,
+            "prefix_cache_queried_tokens": st.queried_tokens,
+            "prefix_cache_hit_tokens": st.hit_tokens,
+            "prefix_cache_hit_rate": st.hit_tokens / st.queried_tokens if st.queried_tokens else 0.0,
+            "prefix_cache_evictions": a.num_evicted,
+            "prefill_tokens": st.prefill_tokens,
+            "num_preempted": self.sched.num_preempted,
+        }
 
     def num_compiled(self) -> int:
         """Compiled executables of the engine's programs (constant in steady state)."""
@@ -318,9 +354,9 @@ class Engine:
     def step(self) -> list[StepUpdate]:
         """Admit, dispatch the next step, read the previous one. Returns the requests that got
         tokens or finished since the last call."""
-        group = self.sched.admit()
-        if group:
-            self._prefill(group)
+        pieces = self.sched.plan_prefill()
+        if pieces:
+            self._prefill(pieces)
         elif self.sched.queue and not self.sched.running():  # an empty cache and still no room
             req = self.sched.queue.popleft()
             req.fail(self.sched.never_fits(req) or "the request does not fit the KV cache")
@@ -332,7 +368,7 @@ class Engine:
                      f"{self.alloc.page_size} tokens even alone (raise num_pages)")
             self._report(req)
         newest = None
-        rows = self.sched.running()
+        rows = self.sched.decoding()
         if rows:
             self._push_page_table()
             if any(r.grammar is not None for _, r in rows):
@@ -366,42 +402,65 @@ class Engine:
                     stochastic=any(r.params.temperature > 0 for r in reqs))
 
     def _push(self, kind, out, trees, rows, advance) -> _Dispatched:
+        """rows: (batch row, slot, request) of the rows whose outputs the host reads."""
         for x in jax.tree.leaves((out, trees)):
             x.copy_to_host_async()
-        entry = _Dispatched(kind, out, trees, [(b, s, r, r.epoch) for b, (s, r) in enumerate(rows)], advance)
-        for s, _ in rows:
+        entry = _Dispatched(kind, out, trees, [(b, s, r, r.epoch) for b, s, r in rows], advance)
+        for _, s, _ in rows:
             self.sched.inflight[s] += advance
         self._pending.append(entry)
         return entry
 
     # -- dispatch ---------------------------------------------------------------------------
-    def _prefill(self, group: list[tuple[int, Request]]):
+    def _prefill(self, pieces: list[Piece]):
         self._push_page_table()
-        ids = [r.prefill_ids for _, r in group]
-        T = bucket(max(map(len, ids)), MIN_PREFILL_LEN, max(MIN_PREFILL_LEN, self.cache_opts.max_seq_len))
-        B = bucket(len(group), 1, self.batch_opts.max_batch)
+        T = self.sched.prefill_len(max(p.end - p.start for p in pieces))
+        B = bucket(len(pieces), 1, self.batch_opts.max_batch)
         tokens = np.zeros((B, T), np.int32)
-        lens = np.zeros(B, np.int32)
+        start, lens, next_ids = (np.zeros(B, np.int32) for _ in range(3))
+        final = np.zeros(B, bool)
         slots = np.full(B, self.batch_opts.max_batch, np.int32)  # padding rows: out of range
         samp = SamplingArrays(np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros(B, np.int32),
                               np.zeros(B, np.uint32))
-        for b, ((slot, req), x) in enumerate(zip(group, ids)):
-            tokens[b, : len(x)], lens[b], slots[b] = x, len(x), slot
-            p = req.params
-            samp.temperature[b], samp.top_p[b], samp.top_k[b], samp.seed[b] = p.temperature, p.top_p, p.top_k, req.seed
+        for b, pc in enumerate(pieces):
+            n = pc.end - pc.start
+            tokens[b, :n], start[b], lens[b], slots[b], final[b] = pc.ids[pc.start:pc.end], pc.start, n, pc.slot, pc.final
+            next_ids[b] = 0 if pc.final else pc.ids[pc.end]
+            p = pc.req.params
+            samp.temperature[b], samp.top_p[b], samp.top_k[b], samp.seed[b] = p.temperature, p.top_p, p.top_k, pc.req.seed
+        firsts = [pc for pc in pieces if pc.first]
+        if firsts:
+            self._admit_slots(firsts)
+        samplers = [(pc.slot, pc.req if pc.final else None) for pc in pieces]  # rows whose sample is used
         mask = None
-        if any(r.grammar is not None for _, r in group):
-            mask = self._next_masks(group, B)
-        flags = self._flags([r for _, r in group])
-        pen = self._penalty_params(group, B)
+        if any(r is not None and r.grammar is not None for _, r in samplers):
+            mask = self._next_masks(samplers, B)
+        flags = self._flags([r for _, r in samplers if r is not None])
+        rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
         if self.draft is None:
-            out, trees, self.state, self.samp = self.steps.prefill(self.weights, self.state, self.samp, tokens, lens,
-                                                                   slots, samp, mask, pen, **flags)
+            out, trees, self.state, self.samp = self.steps.prefill(self.weights, self.state, self.samp, rows, samp,
+                                                                   mask, **flags)
         else:
             out, trees, self.state, self.samp = self.spec_steps.prefill(
-                self.weights, self.draft_weights, self.state, self.samp, tokens, lens, slots, samp, mask, pen,
-                **flags)
-        self._push("prefill", out, trees, group, 0)
+                self.weights, self.draft_weights, self.state, self.samp, rows, samp, mask, **flags)
+        finals = [(b, pc.slot, pc.req) for b, pc in enumerate(pieces) if pc.final]
+        if finals:  # a call of unfinished prefills only has nothing to read
+            self._push("prefill", out, trees, finals, 0)
+
+    def _admit_slots(self, firsts: list[Piece]):
+        """The per-slot state of newly admitted slots that needs their whole sequence (a piece may
+        hold part of it only): penalty state, n-gram history (programs.admit_slots)."""
+        group = [(pc.slot, pc.req) for pc in firsts]
+        B = bucket(len(group), 1, self.batch_opts.max_batch)
+        pen = self._penalty_params(group, B)
+        if self.state.penalties is None and getattr(self.state, "history", None) is None:
+            return
+        T = bucket(max(len(pc.ids) for pc in firsts), MIN_PREFILL_LEN, max(MIN_PREFILL_LEN, self.cache_opts.max_seq_len))
+        tokens, lens = np.zeros((B, T), np.int32), np.zeros(B, np.int32)
+        slots = np.full(B, self.batch_opts.max_batch, np.int32)
+        for b, pc in enumerate(firsts):
+            tokens[b, :len(pc.ids)], lens[b], slots[b] = pc.ids, len(pc.ids), pc.slot
+        self.state = prog.admit_slots(self.state, tokens, lens, slots, pen)
 
     def _penalty_params(self, group, B):
         """Per-row penalty parameters for a prefill; the per-slot penalty state (token counts,
@@ -426,12 +485,12 @@ class Engine:
         if self.draft is not None:
             out, trees, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state, self.samp,
                                                           slots, active, mask, **flags)
-            return self._push("spec", out, trees, rows, self.draft.spec.num_steps + 1)
+            return self._push("spec", out, trees, _indexed(rows), self.draft.spec.num_steps + 1)
         spc = self.batch_opts.steps_per_call
         K = 1 if mask is not None else min(spc, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, spc))
         out, _, self.state = self.steps.decode_many(self.weights, self.state, self.samp, slots, active, mask,
                                                     num_steps=K, **flags)
-        return self._push("decode", out, None, rows, K)
+        return self._push("decode", out, None, _indexed(rows), K)
 
     def _constrained_step(self, rows) -> _Dispatched | None:
         if self.draft is not None and self.opts.overlap:
@@ -442,9 +501,9 @@ class Engine:
             out, trees, self.state = self.spec_steps.finish(self.weights, self.draft_weights, self.state, verified,
                                                             self.samp, slots, active, mask,
                                                             **self._flags([r for _, r in rows]))
-            return self._push("spec", out, trees, rows, self.draft.spec.num_steps + 1)
+            return self._push("spec", out, trees, _indexed(rows), self.draft.spec.num_steps + 1)
         self._collect()
-        rows = self.sched.running()
+        rows = self.sched.decoding()
         if not rows:
             return None
         return self._dispatch(rows, self._next_masks if self.draft is None else self._tree_masks)
@@ -452,8 +511,8 @@ class Engine:
     def _next_masks(self, rows, B: int) -> np.ndarray:
         """[B, W] bitmasks of each row's next token (all ones for unconstrained rows)."""
         mask = np.full((B, self._width()), -1, np.int32)  # fresh: the device may alias host memory
-        for b, (_, req) in enumerate(rows):
-            if req.grammar is not None and not req.finished:
+        for b, (_, req) in enumerate(rows):  # req None: a row that samples nothing
+            if req is not None and req.grammar is not None and not req.finished:
                 req.grammar.next_mask(mask[b])
         return mask
 

@@ -7,6 +7,7 @@ so no shape ever depends on how many tokens are real.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 
 import jax
 import jax.numpy as jnp
@@ -95,24 +96,55 @@ def write_kv(kv_pages, k_new, v_new, write_idx):
 
 
 class PageAllocator:
-    """Host-side free list of KV pages. Page 0 (trash) is never handed out."""
+    """Host-side KV pages: per-slot page tables over reference-counted pages. Page 0 (trash) is
+    never handed out.
+
+    Prefix caching (specjax.prefix_cache computes the keys): a page whose content is complete can be
+    registered under a key; a later slot that needs the same content shares the page (`share`,
+    reference counted) instead of computing it. A registered page that no slot uses any more is kept
+    in `cached` (least recently released first) and counts as free: `ensure` takes unregistered
+    free pages first and then evicts cached ones, oldest first.
+    """
 
     def __init__(self, num_pages: int, page_size: int, pages_per_slot: int, max_slots: int):
         if num_pages < 2:
             raise ValueError("num_pages must be >= 2 (page 0 is reserved)")
+        self.num_pages = num_pages
         self.page_size = page_size
         self.pages_per_slot = pages_per_slot
-        self.free = list(range(num_pages - 1, 0, -1))
+        self.free = list(range(num_pages - 1, 0, -1))  # unregistered pages no slot uses (a stack)
+        self.cached: OrderedDict[int, None] = OrderedDict()  # registered pages no slot uses, LRU first
+        self.refs = np.zeros(num_pages, np.int32)  # slots using each page
+        self.key_of: dict[int, bytes] = {}  # registered page -> its key
+        self.by_key: dict[bytes, int] = {}
+        self.num_evicted = 0
         self.table = np.zeros((max_slots, pages_per_slot), np.int32)
         self.owned: list[list[int]] = [[] for _ in range(max_slots)]
         self.dirty = True
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        """Pages that `ensure` can hand out (unused pages, cached ones included)."""
+        return len(self.free) + len(self.cached)
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_pages - 1 - self.num_free
+
+    def unused_pages(self) -> list[int]:
+        """Every page no slot uses, sorted (free and cached)."""
+        return sorted(self.free + list(self.cached))
 
     def pages_needed(self, slot: int, length: int) -> int:
         return max(0, -(-length // self.page_size) - len(self.owned[slot]))
+
+    def _take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        page, _ = self.cached.popitem(last=False)  # evict the least recently released
+        del self.by_key[self.key_of.pop(page)]
+        self.num_evicted += 1
+        return page
 
     def ensure(self, slot: int, length: int) -> bool:
         """Make slot hold pages for `length` tokens. False (and no change) if pages run out."""
@@ -120,17 +152,71 @@ class PageAllocator:
         if -(-length // self.page_size) > self.pages_per_slot:
             raise ValueError(f"length {length} exceeds the slot capacity "
                              f"{self.pages_per_slot * self.page_size}")
-        if need > len(self.free):
+        if need > self.num_free:
             return False
         for _ in range(need):
-            page = self.free.pop()
+            page = self._take()
+            self.refs[page] = 1
             self.table[slot, len(self.owned[slot])] = page
             self.owned[slot].append(page)
         self.dirty = self.dirty or need > 0
         return True
 
     def release(self, slot: int) -> None:
-        self.free.extend(reversed(self.owned[slot]))
+        """Drop the slot's pages; a page nobody else uses is freed, or cached if registered (the
+        slot's last pages first in eviction order)."""
+        for page in reversed(self.owned[slot]):
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.key_of:
+                    self.cached[page] = None
+                else:
+                    self.free.append(page)
         self.owned[slot] = []
         self.table[slot] = TRASH_PAGE
         self.dirty = True
+
+    # -- prefix caching ------------------------------------------------------------------------
+    def lookup(self, keys) -> list[int]:
+        """The registered pages of the longest run of keys from the first (stops at the first miss)."""
+        pages = []
+        for key in keys:
+            page = self.by_key.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def num_cached_in(self, pages) -> int:
+        """How many of `pages` are cached but unused (sharing them takes them from the free count)."""
+        return sum(p in self.cached for p in pages)
+
+    def share(self, slot: int, pages) -> None:
+        """Append registered pages (from `lookup`) to an empty slot's table."""
+        if self.owned[slot]:
+            raise ValueError(f"slot {slot} already holds pages; shared pages come first")
+        for i, page in enumerate(pages):
+            if self.refs[page] == 0:
+                del self.cached[page]
+            self.refs[page] += 1
+            self.table[slot, i] = page
+            self.owned[slot].append(page)
+        self.dirty = self.dirty or bool(pages)
+
+    def register(self, slot: int, index: int, key: bytes) -> None:
+        """Register the slot's page `index` (its content now complete) under key. A key that
+        another page already holds (the same prefix computed twice) leaves the page unregistered."""
+        page = self.owned[slot][index]
+        if key in self.by_key or page in self.key_of:
+            return
+        self.key_of[page] = key
+        self.by_key[key] = page
+
+    def evict_all(self) -> int:
+        """Forget every cached page (they become plain free pages). Returns how many."""
+        n = len(self.cached)
+        for page in self.cached:
+            del self.by_key[self.key_of.pop(page)]
+        self.free.extend(reversed(self.cached))
+        self.cached.clear()
+        return n

@@ -54,7 +54,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", page_size: int = 16,
                  max_batch: int = 8, max_seq_len: int = 2048, num_pages: int | None = None, seed: int = 0,
                  draft: str | Path | None = None, spec=None, tensor_parallel: int = 1,
-                 scheduler: SchedulerOptions | None = None, kv_compact_impl: str = "auto", attention="auto"):
+                 scheduler: SchedulerOptions | None = None, kv_compact_impl: str = "auto", attention="auto",
+                 prefix_cache: bool = True, max_prefill_tokens: int = BatchOptions.max_prefill_tokens):
         """dtype: "auto" (float32 on the CPU, bfloat16 on GPUs and TPUs), "bfloat16" or "float32".
         draft: None (plain decoding), "self" (the target drafts for itself: for testing), "ngram"
         (prompt lookup: drafts copied from the request's own text, no weights; specjax.ngram), the
@@ -70,6 +71,10 @@ class LLM:
         INFO on the "specjax" logger) says which one runs.
         attention: paged-attention implementation ("auto": the Mosaic GPU kernel on Hopper, the TPU
         kernel on TPU, the jnp reference on CPU; see specjax.attention); `LLM.engine.attention_choice` says which.
+        prefix_cache: reuse the KV pages of prompt prefixes already computed (a shared system
+        prompt, earlier turns); outputs are those without it.
+        max_prefill_tokens: tokens (rows x padded length) of one prefill call; longer prompts are
+        prefilled in chunks between the decode steps of running requests.
         Constrained requests (SamplingParams json_schema / regex / grammar / choice) compile with one
         specjax.grammar.GrammarCompiler built from the tokenizer on first use."""
         from specjax import compile_cache
@@ -103,8 +108,8 @@ class LLM:
         engine_draft = None
         if draft is not None:
             engine_draft = self._load_draft(draft, spec, module, dtype)
-        self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages),
-                             BatchOptions(max_batch), DTYPES[dtype], draft=engine_draft, mesh=mesh,
+        self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages, prefix_cache),
+                             BatchOptions(max_batch, max_prefill_tokens), DTYPES[dtype], draft=engine_draft, mesh=mesh,
                              sched=scheduler, grammar=self._grammar_compiler, kv_compact_impl=kv_compact_impl,
                              attention=attention)
         self._rng = random.Random(seed)
@@ -133,6 +138,10 @@ class LLM:
             raise ValueError(f"draft model {draft} has vocab_size {draft_cfg.vocab_size}, the target has "
                              f"{self.cfg.vocab_size}: a draft must share the target's vocabulary")
         return Draft(draft_module, draft_cfg, DraftInfo("draft"), self.spec)
+
+    def stats(self) -> dict:
+        """The engine's counters (Engine.stats): queue, KV pages, prefix-cache hit rate, ..."""
+        return self.engine.stats()
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

@@ -14,6 +14,10 @@ the target forward runs. `verify` donates the state and hands it back with the t
 
 Kernel choices (specjax.kernels.Kernels, made once at engine start) are closed over like the draft
 and tree configuration: they are part of each program's static configuration.
+
+Prefill programs take pieces (decode.PrefillRows: a cached prefix or earlier chunks before each
+row's start). What an admission needs over its whole sequence (penalty state, n-gram history) is
+written apart (`admit_slots`), since a piece may hold part of it only.
 """
 from __future__ import annotations
 
@@ -51,8 +55,19 @@ def _binder(params):
     return leaves, lambda w: jax.tree.unflatten(treedef, w)
 
 
+def _admit_slots(state, tokens, lens, slots, pen):
+    """The per-slot state of admissions over their whole sequences tokens [B, T] (lens [B]) that
+    prefill pieces do not carry: the penalty state, the n-gram history (step.admit_slots)."""
+    if isinstance(state, step_lib.SpecState):
+        return step_lib.admit_slots(state, tokens, lens, slots, pen)
+    return dataclasses.replace(state, penalties=decode.prefill_penalties(state.penalties, tokens, lens, slots, pen))
+
+
+admit_slots = jax.jit(_admit_slots, donate_argnums=(0,))  # (state, tokens, lens, slots, pen) -> state
+
+
 class PlainPrograms(NamedTuple):
-    prefill: Callable  # (w, state, samp_all, tokens, lens, slots, samp, mask, *, want_logprobs, stochastic)
+    prefill: Callable  # (w, state, samp_all, rows: PrefillRows, samp, mask, *, want_logprobs, stochastic)
     #                    -> (StepOut, None, state, samp_all)
     decode_many: Callable  # (w, state, samp_all, slots, active, mask, *, num_steps, want_logprobs, stochastic)
     #                        -> (StepOut with [K, B] fields, None, state); a mask needs num_steps == 1
@@ -61,11 +76,10 @@ class PlainPrograms(NamedTuple):
 def plain_programs(graphdef, params) -> tuple[PlainPrograms, list]:
     weights, unflat = _binder(params)
 
-    def prefill(w, state, samp_all, tokens, lens, slots, samp, mask, pen=None, *, want_logprobs, stochastic):
-        out, state = decode.prefill(graphdef, unflat(w), state, tokens, lens, slots, samp,
-                                    want_logprobs=want_logprobs, stochastic=stochastic, token_mask=mask,
-                                    penalty_params=pen)
-        return out, None, state, _put_rows(samp_all, slots, samp)
+    def prefill(w, state, samp_all, rows, samp, mask, *, want_logprobs, stochastic):
+        out, state = decode.prefill_rows(graphdef, unflat(w), state, rows, samp, want_logprobs=want_logprobs,
+                                         stochastic=stochastic, token_mask=mask)
+        return out, None, state, _put_rows(samp_all, rows.slots, samp)
 
     def decode_many(w, state, samp_all, slots, active, mask, *, num_steps, want_logprobs, stochastic):
         samp = _take_rows(samp_all, slots)
@@ -85,7 +99,7 @@ def plain_programs(graphdef, params) -> tuple[PlainPrograms, list]:
 
 
 class SpecPrograms(NamedTuple):
-    prefill: Callable  # (tw, dw, state, samp_all, tokens, lens, slots, samp, mask, *, ...)
+    prefill: Callable  # (tw, dw, state, samp_all, rows: PrefillRows, samp, mask, *, ...)
     #                    -> (out, trees, state, samp_all)
     step: Callable  # fused: (tw, dw, state, samp_all, slots, active, mask, *, ...) -> (SpecOut, trees, state)
     verify: Callable  # (tw, state, slots, active) -> (logits, h, aux), state
@@ -107,10 +121,10 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
     def bound(fn, tw, dw, *args, **kw):
         return fn(info, spec, target_graphdef, tunflat(tw), draft_graphdef, dunflat(dw), *args, **kw)
 
-    def prefill(tw, dw, state, samp_all, tokens, lens, slots, samp, mask, pen=None, *, want_logprobs, stochastic):
-        out, state = bound(step_lib.spec_prefill, tw, dw, state, tokens, lens, slots, samp,
-                           want_logprobs=want_logprobs, stochastic=stochastic, token_mask=mask, penalty_params=pen)
-        return out, _trees(state, slots), state, _put_rows(samp_all, slots, samp)
+    def prefill(tw, dw, state, samp_all, rows, samp, mask, *, want_logprobs, stochastic):
+        out, state = bound(step_lib.spec_prefill_rows, tw, dw, state, rows, samp, want_logprobs=want_logprobs,
+                           stochastic=stochastic, token_mask=mask)
+        return out, _trees(state, rows.slots), state, _put_rows(samp_all, rows.slots, samp)
 
     def fused(tw, dw, state, samp_all, slots, active, mask, *, want_logprobs, stochastic):
         out, state = bound(step_lib.spec_step, tw, dw, state, slots, active, _take_rows(samp_all, slots),

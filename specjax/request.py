@@ -23,6 +23,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     accept_len_mean: float | None = None  # speculative decoding: mean tokens emitted per step
     error: str | None = None  # why the request failed (finish_reason "error")
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first admission)
 
 
 class Request:
@@ -60,6 +61,7 @@ class Request:
         self.arrival = 0  # submission order (preemption retracts the youngest)
         self.epoch = 0  # bumped on preemption: outputs of steps dispatched before are dropped
         self.num_preempted = 0
+        self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache at the first admission
         self.tree = None  # host copy (tokens [N], parents [N]) of the draft tree it verifies next
         self._streamed = 0  # characters handed out by take_text_delta
 
@@ -192,4 +194,4 @@ class Request:
         self.text = self.final_text()
         mean = sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else None
         return RequestOutput(self.id, self.prompt, self.prompt_ids, self.text, list(self.token_ids),
-                             self.finish_reason, self.logprobs, mean, self.error)
+                             self.finish_reason, self.logprobs, mean, self.error, self.num_cached_tokens)

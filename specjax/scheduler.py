@@ -13,6 +13,13 @@ can be max_seq_len - 1 when the last token of the context is generated: the engi
 tail = lookahead, so every entry a step writes is addressable and the output equals plain decoding up
 to the end of the context. Plain decoding writes only at L < max_seq_len (tail = 0).
 
+Prefill (`plan_prefill`): each engine step prefills at most `max_prefill_tokens` (rows x padded
+length) in one call. A prompt longer than that is prefilled in chunks over several steps while the
+running requests keep decoding (chunked prefill); a slot is `prefilling` until its last chunk has
+been dispatched, and decodes from the step after. With prefix caching, an admitted request first
+shares the cached pages of its longest cached prefix (specjax.prefix_cache) and prefills only the
+rest; every page that a dispatched chunk completes is registered for later requests.
+
 Preemption: when a running request cannot get the pages of its next step, the youngest running
 request (by arrival) is retracted: its slot and pages are freed and it goes back to the front of
 the queue, where it is prefilled again from its prompt plus the tokens it has generated (its
@@ -27,6 +34,7 @@ from collections import deque
 
 import numpy as np
 
+from specjax import prefix_cache
 from specjax.kv_cache import PageAllocator
 from specjax.request import Request
 
@@ -44,6 +52,32 @@ def slot_pages(entries: int, page_size: int) -> int:
     return -(-entries // page_size)
 
 
+@dataclasses.dataclass
+class Piece:
+    """One row of a prefill call: tokens ids[start:end] of the request in `slot`; the cache holds
+    ids[:start]. `final`: the last piece (it samples the first output token)."""
+    slot: int
+    req: Request
+    ids: list[int]  # what the admission prefills (prompt + tokens generated before a preemption)
+    start: int
+    end: int
+    first: bool  # the first piece of this admission
+
+    @property
+    def final(self) -> bool:
+        return self.end == len(self.ids)
+
+
+@dataclasses.dataclass
+class PrefixStats:
+    """Prefix-cache counters since the engine started."""
+    queries: int = 0  # admissions that looked up their prefix
+    hits: int = 0  # admissions that reused at least one page
+    queried_tokens: int = 0  # tokens of the looked-up sequences
+    hit_tokens: int = 0  # tokens whose K/V were reused
+    prefill_tokens: int = 0  # tokens actually prefilled (all admissions)
+
+
 def bucket(n: int, lo: int, hi: int) -> int:
     """The smallest lo * 2^k >= n, capped at hi when hi >= n (few distinct shapes, few programs)."""
     b = lo
@@ -54,12 +88,19 @@ def bucket(n: int, lo: int, hi: int) -> int:
 
 class Scheduler:
     def __init__(self, *, num_pages: int, page_size: int, max_seq_len: int, max_batch: int,
-                 max_prefill_tokens: int, ahead: int, advance: int, tail: int = 0):
+                 max_prefill_tokens: int, ahead: int, advance: int, tail: int = 0, prefix_caching: bool = False,
+                 key_shift: int = 0):
         """ahead: cache entries one step may touch past a slot's length (pages to hold);
         advance: the most one step adds to a slot's length; tail: cache entries a slot needs past
-        max_seq_len (a speculative engine: its lookahead)."""
+        max_seq_len (a speculative engine: its lookahead). prefix_caching: share the KV pages of
+        cached prefixes; key_shift: tokens after a page that its content depends on (the draft's
+        shift, specjax.prefix_cache)."""
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_caching, self.key_shift = prefix_caching, key_shift
+        self.prefix = PrefixStats()
         self.ahead, self.advance = ahead, advance
         self.pages_per_slot = slot_pages(max_seq_len + tail, page_size)
         self.alloc = PageAllocator(num_pages, page_size, self.pages_per_slot, max_batch)
@@ -70,11 +111,26 @@ class Scheduler:
         self.inflight = np.zeros(max_batch, np.int64)
         self.num_preempted = 0
         self._arrivals = itertools.count()
+        # slots whose prefill is not complete: slot -> (ids, page keys, pages registered so far)
+        self.prefilling: dict[int, tuple[list[int], list[bytes], int]] = {}
 
     # -- queries ------------------------------------------------------------------------------
     def running(self) -> list[tuple[int, Request]]:
         """(slot, request) of the occupied slots, in slot order."""
         return [(i, r) for i, r in enumerate(self.slots) if r is not None]
+
+    def decoding(self) -> list[tuple[int, Request]]:
+        """The running slots whose prefill is complete (they take part in decode steps)."""
+        return [(i, r) for i, r in enumerate(self.slots) if r is not None and i not in self.prefilling]
+
+    @property
+    def chunk(self) -> int:
+        """The longest piece of one prefill call (prefill lengths are buckets up to it)."""
+        return max(MIN_PREFILL_LEN, min(self.max_prefill_tokens, self.max_seq_len))
+
+    def prefill_len(self, n: int) -> int:
+        """Padded length of a prefill call whose longest piece has n tokens."""
+        return bucket(n, MIN_PREFILL_LEN, self.chunk)
 
     def has_work(self) -> bool:
         return bool(self.queue) or any(r is not None for r in self.slots)
@@ -88,7 +144,7 @@ class Scheduler:
         if n >= self.max_seq_len:
             return (f"prompt has {n} tokens; max_seq_len={self.max_seq_len} leaves no room to generate "
                     "(the prompt must be shorter than max_seq_len)")
-        need, have = self._pages(n + self.ahead), self.alloc.num_free + sum(map(len, self.alloc.owned))
+        need, have = self._pages(n + self.ahead), self.alloc.num_pages - 1
         if need > have:
             return (f"request needs {need} KV pages of {self.alloc.page_size} tokens, the cache has {have}: "
                     "raise num_pages or lower max_seq_len")
@@ -125,34 +181,80 @@ class Scheduler:
             req.slot = None
         self.slots[slot] = None
         self.alloc.release(slot)
+        self.prefilling.pop(slot, None)
         self.lens[slot] = self.inflight[slot] = 0
 
-    def admit(self) -> list[tuple[int, Request]]:
-        """Move queued requests into free slots (FCFS) while pages last and the prefill token
-        budget allows; each gets pages for its prefill plus one step. Pages the running requests
-        need for their next step are kept back, so that admission rarely forces a preemption."""
+    def plan_prefill(self) -> list[Piece]:
+        """The pieces of this step's prefill call: the next chunk of each unfinished prefill (oldest
+        first), then queued requests admitted into free slots (FCFS) while the token budget
+        (rows x padded length <= max_prefill_tokens) and the pages last. An admitted request gets
+        pages for its whole prefill plus one step, after those it shares from the prefix cache;
+        pages the running requests need for their next step are kept back, so that admission
+        rarely forces a preemption. The pages the pieces complete are registered for reuse."""
+        pieces: list[Piece] = []
+        longest = 0
+
+        def fits(n: int) -> bool:
+            return not pieces or (len(pieces) + 1) * self.prefill_len(max(longest, n)) <= self.max_prefill_tokens
+
+        for slot in sorted(self.prefilling, key=lambda s: self.slots[s].arrival):
+            ids = self.prefilling[slot][0]
+            start = int(self.lens[slot])
+            n = min(len(ids) - start, self.chunk)
+            if not fits(n):
+                break
+            pieces.append(Piece(slot, self.slots[slot], ids, start, start + n, first=False))
+            longest = max(longest, n)
         free = [i for i, r in enumerate(self.slots) if r is None]
         held = sum(self.alloc.pages_needed(s, self._target(s)) for s, _ in self.running())
-        group: list[tuple[int, Request]] = []
-        longest = 0
         while self.queue and free:
             req = self.queue[0]
-            n = len(req.prefill_ids)
-            T = bucket(max(longest, n), MIN_PREFILL_LEN, max(MIN_PREFILL_LEN, self.max_seq_len))
-            if group and (len(group) + 1) * T > self.max_prefill_tokens:
+            ids = req.prefill_ids
+            keys = prefix_cache.page_keys(ids, self.alloc.page_size, self.key_shift) if self.prefix_caching else []
+            ps = self.alloc.page_size
+            shared = self.alloc.lookup(keys[: prefix_cache.max_shared_pages(len(ids), ps, self.key_shift)])
+            start = len(shared) * ps
+            n = min(len(ids) - start, self.chunk)
+            if not fits(n):
                 break
-            slot = free[0]
-            need = self.alloc.pages_needed(slot, min(n + self.ahead, self.capacity))
-            if need + held > self.alloc.num_free or not self.alloc.ensure(slot, min(n + self.ahead, self.capacity)):
+            slot, length = free[0], min(len(ids) + self.ahead, self.capacity)
+            need = -(-length // ps) - len(shared) + self.alloc.num_cached_in(shared)  # pages leaving the free count
+            if need + held > self.alloc.num_free:
+                break
+            self.alloc.share(slot, shared)
+            if not self.alloc.ensure(slot, length):  # cannot happen after the check above; stay consistent
+                self.alloc.release(slot)
                 break
             self.queue.popleft()
             free.pop(0)
             self.slots[slot] = req
             req.slot = slot
-            self.lens[slot], self.inflight[slot] = n, 0
-            group.append((slot, req))
+            self.inflight[slot] = 0
+            if not req.num_preempted:
+                req.num_cached_tokens = start
+            self.prefilling[slot] = (ids, keys, len(shared))
+            pieces.append(Piece(slot, req, ids, start, start + n, first=True))
             longest = max(longest, n)
-        return group
+            if self.prefix_caching:
+                st = self.prefix
+                st.queries, st.queried_tokens = st.queries + 1, st.queried_tokens + len(ids)
+                st.hits, st.hit_tokens = st.hits + bool(shared), st.hit_tokens + start
+        for p in pieces:
+            self._dispatched(p)
+        return pieces
+
+    def _dispatched(self, p: Piece) -> None:
+        """Book a piece as dispatched: the slot's length, the pages it completes, the end of the prefill."""
+        self.lens[p.slot] = p.end
+        self.prefix.prefill_tokens += p.end - p.start
+        ids, keys, done = self.prefilling[p.slot]
+        upto = min(len(keys), p.end // self.alloc.page_size)  # pages whose K/V (target and draft) are now written
+        for j in range(done, upto):
+            self.alloc.register(p.slot, j, keys[j])
+        if p.final:
+            del self.prefilling[p.slot]
+        else:
+            self.prefilling[p.slot] = (ids, keys, max(done, upto))
 
     def preempt(self, slot: int) -> Request:
         req = self.slots[slot]

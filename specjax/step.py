@@ -8,7 +8,12 @@
     -> draft extend over the accepted tokens (EAGLE: with the target's features for them)
     -> grow the next draft tree (EAGLE-2 style; topk = 1 is a chain), stored in the state.
 
-Prefill seeds the target cache, the draft and the first tree.
+Prefill seeds the target cache, the draft and the first tree. It runs on pieces (decode.PrefillRows):
+a piece at cache index a with n new tokens writes target entries a .. a+n-1 and draft entries
+a .. a+n-1 (+1 for a final piece of a shift-0 draft: its entry for the sampled token); the token
+after the piece is the next prompt token, or the sampled one for the final piece. The draft entries
+before a are in the cache already (a shared prefix: specjax.prefix_cache keys pages by the s tokens
+after them too; an earlier chunk). Only final pieces grow the first tree.
 
 Per slot (see specjax.drafter for the draft methods and their shift s):
   target: cache.seq_lens = L; tokens x_0 .. x_{L-1} have K/V; the tree's root (node 0) is x_L,
@@ -25,8 +30,8 @@ Inactive rows write only to the trash page and keep their state; rows whose slot
 are padding (reads clamp, updates drop).
 
 The n-gram drafter (info.method "ngram", specjax.ngram) has no model: the state keeps each slot's
-tokens x_0 .. x_L (SpecState.history; prefill writes the prompt and the first token, each step
-appends its emitted tokens) and the next tree is looked up in them; draft_kv is empty and
+tokens x_0 .. x_L (SpecState.history; admission (admit_slots) writes the whole prompt, the final
+prefill piece the first token, each step appends its emitted tokens) and the next tree is looked up in them; draft_kv is empty and
 draft_seq_lens unused. Its drafts are point masses (draft_probs None).
 
 Penalties (SpecState.penalties set; specjax.penalties): acceptance sees the target's logits after
@@ -231,6 +236,50 @@ def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, 
                      history=state.history if history is None else history)
 
 
+def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState,
+                      rows: decode.PrefillRows, samp: SamplingArrays, want_logprobs=False, stochastic=True,
+                      token_mask=None):
+    """Prefill pieces into the target and the draft; final rows sample the first token and grow the
+    first tree. The penalty state of the admitted slots must already be reset. token_mask: optional
+    [B, W] grammar bitmask of the first token. Returns (decode.StepOut, state)."""
+    target, draft = _merge(tgd, tp, dgd, dp)
+    T = rows.tokens.shape[1]
+    max_slots = state.cache.seq_lens.shape[0]
+    pen = state.penalties
+    out, h, aux, cache = decode.target_prefill(target, state.cache, rows, samp, want_logprobs, stochastic,
+                                               info.aux_layers, pen=pen, token_mask=token_mask)
+    fin = decode.final_slots(rows, max_slots)
+    final = (fin < max_slots).astype(jnp.int32)
+    pen = decode.count_first(pen, fin, rows.lens, out.tokens)
+    if not info.has_model:  # n-gram: the history holds the sequence (written at admission); add x_P
+        end = rows.start + rows.lens  # P, the position of the first sampled token
+        hist = ngram.append(state.history, fin, end - 1, out.tokens[:, None], final)
+        tree = ngram.propose(hist[jnp.clip(rows.slots, 0, max_slots - 1)], end + 1, out.tokens, spec)
+        return out, _store(state, fin, tree, None, state.draft_kv, state.draft_seq_lens, cache, pen, hist)
+    pt = cache.page_table[jnp.clip(rows.slots, 0, max_slots - 1)]
+    ps = cache.page_size
+    act = (rows.lens > 0).astype(jnp.int32)
+    # draft entry p holds token x_{p + shift}; x_{start + lens} is the sampled token (final rows) or
+    # the next prompt token
+    sh = info.shift
+    after = jnp.where(final > 0, out.tokens, rows.next_ids)
+    col = jnp.arange(T + 1, dtype=jnp.int32)[None, :]
+    end = (rows.lens - sh)[:, None]  # [B, 1] index of the entry holding x_{start + lens}
+    src = jnp.take_along_axis(rows.tokens, jnp.clip(col + sh, 0, T - 1), axis=1)
+    dtoks = jnp.where(col < end, src, jnp.where(col == end, after[:, None], 0))  # [B, T + 1]
+    feats = drafter.target_features(info, draft, h, aux)
+    if feats is not None:
+        feats = jnp.pad(feats, ((0, 0), (0, 1), (0, 0)))  # [B, T + 1, E]
+    n_d = (rows.lens + (1 - sh) * final) * act  # draft entries this piece writes
+    h_last, lg_last, dkv = _extend(info, draft, target, state.draft_kv, pt, ps, dtoks, feats, rows.start, n_d)
+    Ld = rows.start + n_d
+    tree, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act * final, out.tokens, rows.start + rows.lens,
+                             Ld, h_last, lg_last, samp, stochastic and state.draft_probs is not None,
+                             _draft_rows(info, pen, rows.slots))
+    draft_seq_lens = state.draft_seq_lens.at[rows.slots].set(Ld, mode="drop")
+    return out, _store(state, fin, tree, probs, dkv, draft_seq_lens, cache, pen)
+
+
 def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, tokens, lens, slots,
                  samp: SamplingArrays, want_logprobs=False, stochastic=True,
                  penalty_params: PenaltyParams | None = None, token_mask=None):
@@ -238,38 +287,20 @@ def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: Spe
     token, seed the draft over the prompt and grow the first tree. penalty_params: the rows'
     penalties (needs state.penalties; None: off for these slots). token_mask: optional [B, W] grammar
     bitmask of the first token. Returns (decode.StepOut, state)."""
-    target, draft = _merge(tgd, tp, dgd, dp)
-    B, T = tokens.shape
-    max_slots = state.cache.seq_lens.shape[0]
-    pen = decode.prefill_penalties(state.penalties, tokens, lens, slots, penalty_params)
-    out, h, aux, cache = decode.target_prefill(target, state.cache, tokens, lens, slots, samp,
-                                               want_logprobs, stochastic, info.aux_layers, pen=pen,
-                                               token_mask=token_mask)
-    pen = decode.count_first(pen, slots, lens, out.tokens)
-    if not info.has_model:  # n-gram: the history is the prompt and the first token
-        hist = ngram.write_prompt(state.history, slots, tokens, lens, out.tokens)
-        tree = ngram.propose(hist[jnp.clip(slots, 0, max_slots - 1)], lens + 1, out.tokens, spec)
-        return out, _store(state, slots, tree, None, state.draft_kv, state.draft_seq_lens, cache, pen, hist)
-    pt = cache.page_table[jnp.clip(slots, 0, max_slots - 1)]
-    ps = cache.page_size
-    act = (lens > 0).astype(jnp.int32)
-    # draft entry p holds token x_{p + shift} for p <= P - shift, x_P being the first sampled token
-    sh = info.shift
-    col = jnp.arange(T + 1, dtype=jnp.int32)[None, :]
-    end = (lens - sh)[:, None]  # [B, 1] index of the entry holding x_P
-    src = jnp.take_along_axis(tokens, jnp.clip(col + sh, 0, T - 1), axis=1)
-    dtoks = jnp.where(col < end, src, jnp.where(col == end, out.tokens[:, None], 0))  # [B, T + 1]
-    feats = drafter.target_features(info, draft, h, aux)
-    if feats is not None:
-        feats = jnp.pad(feats, ((0, 0), (0, 1), (0, 0)))  # [B, T + 1, E]
-    n_d = (lens + 1 - sh) * act
-    zero = jnp.zeros_like(lens)
-    h_last, lg_last, dkv = _extend(info, draft, target, state.draft_kv, pt, ps, dtoks, feats, zero, n_d)
-    tree, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act, out.tokens, lens, n_d, h_last,
-                             lg_last, samp, stochastic and state.draft_probs is not None,
-                             _draft_rows(info, pen, slots))
-    draft_seq_lens = state.draft_seq_lens.at[slots].set(n_d, mode="drop")
-    return out, _store(state, slots, tree, probs, dkv, draft_seq_lens, cache, pen)
+    state = admit_slots(state, tokens, lens, slots, penalty_params)
+    return spec_prefill_rows(info, spec, tgd, tp, dgd, dp, state, decode.whole_prompts(tokens, lens, slots), samp,
+                             want_logprobs, stochastic, token_mask)
+
+
+def admit_slots(state: SpecState, tokens, lens, slots, penalty_params: PenaltyParams | None = None) -> SpecState:
+    """The per-slot state of admissions that prefill pieces do not carry (a piece may hold part of the
+    sequence only): the penalty state (decode.prefill_penalties) and the n-gram history, over the
+    whole sequences tokens [B, T] (lens [B]) of the rows `slots` [B]."""
+    state = dataclasses.replace(state, penalties=decode.prefill_penalties(state.penalties, tokens, lens, slots,
+                                                                          penalty_params))
+    if state.history is None:
+        return state
+    return dataclasses.replace(state, history=ngram.write_prompt(state.history, slots, tokens, lens, jnp.zeros_like(lens)))
 
 
 @jax.tree_util.register_dataclass

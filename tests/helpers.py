@@ -56,3 +56,19 @@ def default_model_or_skip():
         if in_ci():
             pytest.fail(f"CI=true: {why}", pytrace=False)
         pytest.skip(why)
+
+
+def prefill_kv(eng, req):
+    """Run req through the engine until its first token and return the K/V of its prompt entries in
+    its slot at that point (first layer: target [n, 2, Hkv, D] and draft, None without one); then
+    run the engine to the end."""
+    import numpy as np
+    eng.add_request(req)
+    while not req.token_ids:
+        eng.step()
+    pages, n = eng.alloc.owned[req.slot], len(req.prompt_ids)
+    kvs = [eng.state.cache.kv] + ([eng.state.draft_kv] if hasattr(eng.state, "draft_kv") else [])
+    out = [np.asarray(x[0])[pages].reshape((-1,) + x[0].shape[2:])[:n] for x in kvs]
+    while eng.has_unfinished():
+        eng.step()
+    return out[0], (out[1] if len(out) > 1 else None)
