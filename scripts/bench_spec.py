@@ -19,9 +19,16 @@ greedy and sampling (temperature 0.7, top-p 0.9: the `stochastic` programs):
   ratio         fused_ms / plain_ms: with mean acceptance length tau, speculation pays when tau > ratio.
 Configs: chainK = chain of K drafted tokens; treeKxM[dS] = topk K, num_draft_tokens M, num_steps S
 (default 5). --breakdown also times the parts alone (greedy): the target forward over the tree,
-verify + accept (+ compaction), and the draft part (extend + growth).
+verify + accept (+ compaction), and the draft part (extend + growth). --kv-compact-impl and
+--attention: the kernels, which the engine chooses once at start (specjax.kernels,
+specjax.attention; printed with each row).
+Attention alone (always reported; the implementation the engine picks, or --attention):
+  decode_attn_ms  the target's attention of one plain decode step (T = 1), all layers
+  verify_attn_ms  the target's attention of the tree verify (T = N nodes, the tree's ancestor mask),
+                  all layers, over the same pages; verify/decode is the ratio the kernels aim to keep
+                  <= 1.5 for 17 nodes
 On CPU, a tiny smoke run: --shapes tiny --batches 2 --configs tree2x4d2 --context 24 --max-seq-len 64
---steps 2 --dtype float32.
+--steps 2 --dtype float32 (add --attention pallas --interpret for the generic kernel in its interpreter).
 Lengths grow during the run (context .. context + steps * (S + 1)); random heads accept little.
 """
 from __future__ import annotations
@@ -40,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from specjax import step  # noqa: E402
+from specjax import attention, kernels, step  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.drafter import DraftInfo  # noqa: E402
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine  # noqa: E402
@@ -99,6 +106,46 @@ def timed_engine(eng, call, steps):
     return (time.perf_counter() - t0) / steps, out
 
 
+def bench_attention(cfg, impl, spec, batch, context, max_seq_len, page_size, steps, dtype=None):
+    """(decode, verify) attention ms per step, all layers: `attend` alone with the step's shapes over
+    one layer's pages, chained cfg.num_layers times inside one program (each call's output is the
+    next one's query, so nothing is merged or skipped)."""
+    from specjax import attention, tree as tree_lib
+    from specjax.kv_cache import meta_at
+    dtype = dtype or DTYPE
+    P = max_seq_len // page_size
+    rng = np.random.default_rng(0)
+    pages = jnp.asarray(rng.normal(size=(batch * P + 1, page_size, 2, cfg.num_kv_heads, cfg.head_dim)), dtype)
+    table = jnp.asarray(1 + np.arange(batch * P, dtype=np.int32).reshape(batch, P))
+    start = jnp.full((batch,), context, jnp.int32)
+    N = spec.num_nodes
+    parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, N)] for _ in range(batch)], np.int32)
+    depth = np.zeros_like(parents)
+    for i in range(1, N):
+        depth[:, i] = depth[np.arange(batch), parents[:, i]] + 1
+    tree = tree_lib.make_tree(jnp.zeros((batch, N), jnp.int32), jnp.asarray(parents), jnp.asarray(depth),
+                              spec.num_steps)
+
+    def timed_attn(T, block_mask):
+        meta = meta_at(table, start, jnp.full((batch,), T, jnp.int32), T, page_size, block_mask)
+        q0 = jnp.asarray(rng.normal(size=(batch, T, cfg.num_heads, cfg.head_dim)), dtype)
+
+        @jax.jit
+        def layers(q, pages):
+            def body(q, _):
+                return attention.attend(q, pages, meta, impl, sliding_window=cfg.sliding_window), None
+            return jax.lax.scan(body, q, None, length=cfg.num_layers)[0]
+
+        jax.block_until_ready(layers(q0, pages))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            q0 = layers(q0, pages)
+        jax.block_until_ready(q0)
+        return (time.perf_counter() - t0) / steps * 1e3
+
+    return timed_attn(1, None), timed_attn(N, tree.mask)
+
+
 MESH = None  # set by --tensor-parallel N > 1: the engines place weights and state in their shardings
 DTYPE = jnp.bfloat16
 
@@ -110,12 +157,14 @@ class _NoText:
         return ""
 
 
-KERNELS = {}  # --kv-compact-impl / --attention: chosen once per engine, as the engine does at start
+ATTENTION: str | attention.AttnImpl = "auto"  # --attention / --interpret, as the engine takes it
+KV_COMPACT = "auto"  # --kv-compact-impl
 
 
 def make_engine(target, cfg, batch, max_seq_len, page_size, draft=None):
     eng = Engine(target, cfg, CacheOptions(page_size=page_size, max_seq_len=max_seq_len),
-                 BatchOptions(max_batch=batch), DTYPE, draft=draft, mesh=MESH, **KERNELS)
+                 BatchOptions(max_batch=batch), DTYPE, draft=draft, mesh=MESH, kv_compact_impl=KV_COMPACT,
+                 attention=ATTENTION)
     print("engine:", eng.info, flush=True)
     return eng
 
@@ -131,9 +180,9 @@ def admit(eng, cfg, batch, context, max_seq_len, temperature, steps):
             for i in range(batch)]
     for r in reqs:
         eng.add_request(r)
-    while eng.sched.queue:  # prefill (several groups when batch * context > max_prefill_tokens)
-        eng.step()
-    rows = eng.sched.running()
+    while (eng.sched.queue or len(eng.sched.decoding()) < batch) and not any(r.finished for r in reqs):
+        eng.step()  # prefill, in chunks when batch * context > max_prefill_tokens
+    rows = eng.sched.decoding()
     assert len(rows) == batch and not any(r.finished for r in reqs), [r.error for r in reqs]
     for s, _ in rows:
         eng.sched.inflight[s] += eng.sched.advance * (steps + 3)
@@ -187,7 +236,7 @@ def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_
     if temperature == 0:
         unf, parts = unfused(eng, target, head, info, spec, slots, active, steps, breakdown)
     release(eng, reqs)
-    return fused, unf, tau, parts
+    return fused, unf, tau, dict(parts, kv_compact=eng.kernels.kv_compact, engine=eng.info)
 
 
 def unfused(eng, target, head, info, spec, slots, active, steps, breakdown):
@@ -200,7 +249,7 @@ def unfused(eng, target, head, info, spec, slots, active, steps, breakdown):
 
     def part1(tw, s):
         ver = step.verify_forward(info, spec, nnx.merge(tgd, jax.tree.unflatten(t_def, tw)), s, slots, active)
-        acc = step.accept(spec, s, ver, slots, active, None, False, False)
+        acc = step.accept(spec, s, ver, slots, active, None, False, False, kernels=eng.kernels)
         return (ver.h, ver.aux, acc.out, acc.accept_idx, acc.bonus), dataclasses.replace(s, cache=acc.cache)
 
     def part2(tw, dw, s, h, aux, out, idx, bonus):
@@ -247,12 +296,13 @@ def main():
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--sampling", default="greedy,sample", help="greedy and/or sample (temperature 0.7)")
-    p.add_argument("--kv-compact-impl", default="auto", help="compaction kernel (specjax.kernels)")
-    p.add_argument("--attention", default="auto", help="paged-attention implementation (specjax.attention)")
+    p.add_argument("--kv-compact-impl", default="auto", choices=kernels.KV_COMPACT_CHOICES)
+    p.add_argument("--attention", default="auto", help="implementation at specjax.attention (resolve)")
+    p.add_argument("--interpret", action="store_true", help="run a Pallas kernel in its interpreter (CPU)")
     a = p.parse_args()
-    KERNELS.update(kv_compact_impl=a.kv_compact_impl, attention=a.attention)
-    global MESH, DTYPE
+    global MESH, DTYPE, ATTENTION, KV_COMPACT
     DTYPE = jnp.bfloat16 if a.dtype == "bfloat16" else jnp.float32
+    KV_COMPACT = a.kv_compact_impl
     if a.tensor_parallel > 1:
         from specjax import sharding
         MESH = sharding.make_mesh(a.tensor_parallel)
@@ -266,6 +316,14 @@ def main():
         cfg = shape_config(shape)
         target = Llama(cfg, DTYPE, nnx.Rngs(0))
         head, ecfg = eagle3_head(shape, cfg, DTYPE)
+        # the attention the engine will choose (it resolves the same request again); the models are
+        # configured with it here too, for the unfused variant and the attention-alone timings
+        pick = dict(dtype=DTYPE, page_size=a.page_size, interpret=a.interpret, mesh=MESH)
+        impl, choice = attention.resolve(a.attention, head_dim=cfg.head_dim, **pick)
+        ATTENTION = attention.AttnImpl(impl.name, interpret=True) if a.interpret else a.attention
+        target = attention.configure(target, impl)
+        head = attention.configure(head, attention.resolve(a.attention, head_dim=ecfg.layer.head_dim, **pick)[0])
+        print(choice, flush=True)
         for b in map(int, a.batches.split(",")):
             for mode in modes:
                 plain, plain_k8 = bench_plain(target, cfg, b, a.context, a.max_seq_len, a.page_size, a.steps,
@@ -274,6 +332,10 @@ def main():
                     spec = parse_config(name)
                     fused, unf, tau, parts = bench_spec(target, cfg, head, ecfg, spec, b, a.context, a.max_seq_len,
                                                         a.page_size, a.steps, temps[mode], a.breakdown)
+                    if MESH is None and mode == modes[0]:
+                        dec, ver = bench_attention(cfg, impl, spec, b, a.context, a.max_seq_len, a.page_size,
+                                                   a.steps)
+                        parts.update(decode_attn_ms=dec, verify_attn_ms=ver, verify_over_decode_attn=ver / dec)
                     r = dict(shape=shape, tp=a.tensor_parallel, batch=b, config=name, sampling=mode,
                              num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens,
                              plain_ms=plain * 1e3, plain_k8_ms=plain_k8 * 1e3, fused_ms=fused * 1e3,
@@ -281,12 +343,15 @@ def main():
                              random_head_tau=tau, **parts)
                     rows.append(r)
                     print(json.dumps(r), flush=True)
-    print("| shape | TP | batch | config | sampling | plain ms | plain ms (K=8) | fused ms | unfused ms | fused/plain |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | TP | batch | config | sampling | plain ms | plain ms (K=8) | fused ms | unfused ms | fused/plain "
+          "| decode attn ms | verify attn ms | verify/decode attn |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         unf = "-" if r["unfused_ms"] is None else f"{r['unfused_ms']:.3f}"
+        attn = (f"{r['decode_attn_ms']:.3f} | {r['verify_attn_ms']:.3f} | {r['verify_over_decode_attn']:.2f}"
+                if "decode_attn_ms" in r else "- | - | -")
         print(f"| {r['shape']} | {r['tp']} | {r['batch']} | {r['config']} | {r['sampling']} | {r['plain_ms']:.3f} "
-              f"| {r['plain_k8_ms']:.3f} | {r['fused_ms']:.3f} | {unf} | {r['ratio']:.2f} |")
+              f"| {r['plain_k8_ms']:.3f} | {r['fused_ms']:.3f} | {unf} | {r['ratio']:.2f} | {attn} |")
 
 
 if __name__ == "__main__":

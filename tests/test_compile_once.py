@@ -1,7 +1,7 @@
-"""Compilation happens once: a second identical batch of requests compiles nothing (no new
+"""Compilation happens once: an identical batch of requests run again compiles nothing (no new
 executable of the engine's programs, no XLA compilation at all), for plain and speculative
-decoding, greedy and sampling, with logprobs and penalties. (Across processes:
-tests/test_compile_cache.py.)"""
+decoding, greedy and sampling, with logprobs and penalties; with prefix caching, after the run
+whose prefills are shortened by cache hits. (Across processes: tests/test_compile_cache.py.)"""
 from __future__ import annotations
 
 import jax
@@ -48,15 +48,19 @@ def world():
 
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "spec"])
 def test_second_identical_run_compiles_nothing(world, spec):
-    """Greedy with logprobs beside sampling with a penalty (the per-slot penalty state is created
-    on the way, between the programs' calls)."""
+    """Plain, prefix caching off: greedy with logprobs beside sampling with a penalty (the per-slot
+    penalty state is created on the way, between the programs' calls); the second identical run
+    compiles nothing. Speculative (a draft of the target itself, greedy) with prefix caching on (the
+    default): the second run finds the prompts' pages cached and prefills only the rest, a shorter
+    prefill that compiles once (new prefill executables only); the third run compiles nothing."""
     cfg, model, prompts = world
     draft = Draft(model, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=2)) if spec else None
-    eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=2),
-                 jnp.float32, draft=draft)
-    params = [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, ignore_eos=True, seed=3,
-                             repetition_penalty=1.2)]
+    eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, prefix_cache=spec),
+                 BatchOptions(max_batch=2), jnp.float32, draft=draft)
+    params = [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, logprobs=None if spec else 2),
+              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True) if spec else
+              SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, ignore_eos=True, seed=3, repetition_penalty=1.2)]
+    programs = eng.spec_steps if spec else eng.steps
 
     def run():
         reqs = [Request(i, None, p, params[i], IdTokenizer(), (96,), MAX_SEQ, 7) for i, p in enumerate(prompts)]
@@ -64,10 +68,17 @@ def test_second_identical_run_compiles_nothing(world, spec):
         return [r.token_ids for r in reqs]
 
     first = run()
-    compiled = eng.num_compiled()
+    compiled, prefills = eng.num_compiled(), programs.prefill._cache_size()
     assert compiled >= 2
     with CompileCounter() as c:
         second = run()
-    assert eng.num_compiled() == compiled, "the second identical run compiled a new program"
-    assert c.n == 0, f"the second identical run compiled {c.n} XLA executables"
     assert second == first
+    if spec:  # prefix-cache hits: shorter prefills, compiled once
+        assert eng.stats()["prefix_cache_hit_tokens"] > 0
+        assert eng.num_compiled() - compiled == programs.prefill._cache_size() - prefills, \
+            "the second identical run compiled a new program other than a prefill"
+        compiled = eng.num_compiled()
+        with CompileCounter() as c:
+            assert run() == first
+    assert eng.num_compiled() == compiled, "an identical run compiled a new program"
+    assert c.n == 0, f"an identical run compiled {c.n} XLA executables"
