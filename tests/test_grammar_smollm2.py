@@ -134,7 +134,7 @@ def test_bad_requests_fail_alone(llm, prompts, plain):
     assert all(s is None for s in llm.engine.slots)
 
 
-def test_cli_constraint_options(tmp_path, monkeypatch):
+def test_cli_constraint_options(tmp_path, monkeypatch, capsys):
     """The CLI maps its constraint options and per-line keys onto per-request parameters and writes
     each line's finish_reason / error (a stand-in LLM records what it was asked)."""
     import specjax.llm
@@ -172,7 +172,8 @@ def test_cli_constraint_options(tmp_path, monkeypatch):
             {"prompt": "w", "json_schema": json.dumps({"type": "integer"}), "id": 4}, {"prompt": "v", "choice": []}]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(json.dumps(r) for r in rows))
-    assert main(["generate", "--prompts", str(src), "--output", str(out), "--json-schema", str(schema)]) == 0
+    # exit code 1: one request (the empty choice) failed; the others are written all the same
+    assert main(["generate", "--prompts", str(src), "--output", str(out), "--json-schema", str(schema)]) == 1
     assert SamplingParams(**seen[0]).constraint == SamplingParams(json_schema=SCHEMA).constraint
     assert seen[1]["regex"] == "[0-9]+" and "json_schema" not in seen[1]
     assert seen[2]["choice"] == ["A", "B"] and seen[3]["json_schema"] == '{"type": "integer"}'
@@ -185,5 +186,6 @@ def test_cli_constraint_options(tmp_path, monkeypatch):
         seen.clear()
         assert main(["generate", "--prompt", "hi", flag, value]) == 0
         assert seen[0][key] == {"regex": "a+", "grammar": 'root ::= "a" | "b"', "choice": ["p", "q"]}[key]
-    with pytest.raises(SystemExit, match="choice"):
+    with pytest.raises(SystemExit) as err:  # a bad flag value: exit code 2, the flag named
         main(["generate", "--prompt", "hi", "--choice", ","])
+    assert err.value.code == 2 and "--choice must hold non-empty strings" in capsys.readouterr().err

@@ -171,9 +171,7 @@ def test_tensor_parallel_greedy_equals_single_device(kind, tp):
 
 def _engine_run(model, cfg, mesh=None):
     eng = Engine(model, cfg, CacheOptions(page_size=PAGE, max_seq_len=MAX_SEQ), BatchOptions(max_batch=SLOTS,
-                 steps_per_call=4), jnp.float32)
-    if mesh is not None:  # the engine builds its cache unsharded; place it (see the report)
-        eng.state = sharding.shard_cache(eng.state, mesh)
+                 steps_per_call=4), jnp.float32, mesh=mesh)  # with a mesh: the cache is created sharded
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, logprobs=0)
     reqs = [Request(i, None, p[:16], params, IdTokenizer(), (), MAX_SEQ, 0) for i, p in enumerate(PROMPTS)]
     eng.run(reqs)

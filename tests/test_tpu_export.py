@@ -19,7 +19,7 @@ from helpers import tiny_config, tiny_model
 from jax import export
 
 from specjax import attention, programs as prog
-from specjax.decode import DecodeState
+from specjax.decode import DecodeState, whole_prompts
 from specjax.drafter import DraftInfo
 from specjax.kv_cache import init_cache
 from specjax.sampling import SamplingArrays
@@ -61,8 +61,8 @@ def test_plain_programs_export_for_tpu(dtype, page_size, kernel):
     state = DecodeState(cache, jnp.zeros((B,), jnp.int32))
     slots = jnp.arange(B, dtype=jnp.int32)
     flags = dict(want_logprobs=False, stochastic=True)
-    text = _export(progs.prefill, w, state, _samp(B), jnp.zeros((B, 32), jnp.int32), jnp.full((B,), 5, jnp.int32),
-                   slots, _samp(B), None, **flags)
+    rows = whole_prompts(jnp.zeros((B, 32), jnp.int32), jnp.full((B,), 5, jnp.int32), slots)
+    text = _export(progs.prefill, w, state, _samp(B), rows, _samp(B), None, **flags)
     assert text.count(KERNEL) == (cfg.num_layers if kernel else 0)
     text = _export(progs.decode_many, w, state, _samp(B), slots, jnp.ones((B,), bool), None, num_steps=4, **flags)
     assert text.count(KERNEL) == (cfg.num_layers if kernel else 0)  # once per layer in the loop body
@@ -101,8 +101,8 @@ def test_spec_programs_export_for_tpu(method):
     flags = dict(want_logprobs=False, stochastic=False)
     L, Ld = cfg.num_layers, len(dkv)
     # prefill: target over the prompt, draft extend over it, S - 1 growth steps
-    text = _export(progs.prefill, tw, dw, state, _samp(B), jnp.zeros((B, 32), jnp.int32),
-                   jnp.full((B,), 5, jnp.int32), slots, _samp(B), None, **flags)
+    rows = whole_prompts(jnp.zeros((B, 32), jnp.int32), jnp.full((B,), 5, jnp.int32), slots)
+    text = _export(progs.prefill, tw, dw, state, _samp(B), rows, _samp(B), None, **flags)
     assert text.count(KERNEL) == L + Ld * spec.num_steps
     # fused step: tree verify (target), draft extend + growth; KV compaction (jnp) in between
     text = _export(progs.step, tw, dw, state, _samp(B), slots, active, None, **flags)
