@@ -47,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from specjax import attention, kernels, step  # noqa: E402
+from specjax import attention, kernels, programs as prog, step  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.drafter import DraftInfo  # noqa: E402
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine  # noqa: E402
@@ -226,12 +226,15 @@ def bench_spec(target, cfg, head, ecfg, spec, batch, context, max_seq_len, page_
                                        (3 if breakdown else 2) * (steps + 2) + 2)
     tw, dw = eng.weights, eng.draft_weights
 
-    def fused_call():
-        out, _, eng.state = eng.spec_steps.step(tw, dw, eng.state, eng.samp, slots, active, None, **flags)
+    stop = prog.no_stop(len(slots))
+
+    def fused_call():  # one fused step per dispatch (the engine runs up to spec_steps_per_call of them)
+        out, _, eng.state = eng.spec_steps.step(tw, dw, eng.state, eng.samp, slots, active, None, stop,
+                                                num_steps=1, **flags)
         return out
 
     fused, out = timed_engine(eng, fused_call, steps)
-    tau = float(np.asarray(out.num_accepted)[:batch].mean())
+    tau = float(np.asarray(out.num_accepted)[0, :batch].mean())
     unf, parts = None, {}
     if temperature == 0:
         unf, parts = unfused(eng, target, head, info, spec, slots, active, steps, breakdown)

@@ -93,6 +93,29 @@ def read_meta(model_dir: str | Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
+SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens")
+
+
+def head_spec_defaults(draft_dir: str | Path, batch: int) -> tuple[dict, int] | None:
+    """The tree shape a draft directory recommends for `batch` concurrent requests: its specjax.json
+    "spec_defaults" ({"<batch>": {"num_steps", "topk", "num_draft_tokens"}}, written by
+    scripts/tree_grid.py from measurements), the entry of the largest batch <= `batch` (else the
+    smallest) -> (SpecConfig keyword arguments, that entry's batch), or None when it has none."""
+    table = read_meta(draft_dir).get("spec_defaults")
+    if not table:
+        return None
+    path = Path(draft_dir) / MARKER
+    try:
+        rows = {int(b): {k: v[k] for k in SPEC_KEYS if k in v} for b, v in table.items()}
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: spec_defaults must map batch sizes to {{{', '.join(SPEC_KEYS)}}}: {e}") from None
+    if any("num_steps" not in v for v in rows.values()):
+        raise CheckpointError(f"{path}: every spec_defaults entry needs num_steps")
+    fit = [b for b in rows if b <= batch]
+    b = max(fit) if fit else min(rows)
+    return rows[b], b
+
+
 def convert_hint(path: str | Path, what: str = "model") -> str:
     """What to run when `path` is a model (or draft) that has not been converted yet."""
     if what == "draft":

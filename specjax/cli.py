@@ -149,7 +149,7 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel", type=positive_int, default=1,
                    help="shard the model (heads, MLP, vocabulary, KV heads) over N devices")
     g.add_argument("--attention", default="auto", choices=["auto", "reference", "pallas", "mosaic_gpu", "tpu", "cudnn"],
-                   help="paged-attention implementation (auto: the Mosaic GPU kernel on Hopper, the TPU kernel "
+                   help="paged-attention implementation (auto: cuDNN on NVIDIA GPUs, the TPU kernel "
                         "on TPU, the jnp reference on the CPU; chosen once at start)")
     g.add_argument("--speculate", nargs="?", const="head", choices=("head", "ngram"), default=None,
                    help="speculative decoding: 'head' (also with no value) the EAGLE-3 head shipped for the "
@@ -158,8 +158,11 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", metavar="DIR",
                    help="speculative decoding with this draft: a converted EAGLE head or draft model, 'self' "
                    "or 'ngram'")
-    g.add_argument("--num-steps", type=positive_int, default=4, help="tokens drafted per step")
-    g.add_argument("--topk", type=positive_int, default=1, help="draft tree branching (1 = chain)")
+    g.add_argument("--num-steps", type=positive_int, default=None,
+                   help="tokens drafted per step (default: the draft's measured spec_defaults for --max-batch "
+                   "when its specjax.json has them, else 4)")
+    g.add_argument("--topk", type=positive_int, default=None, help="draft tree branching (1 = chain; default 1 "
+                   "unless the draft's spec_defaults say otherwise)")
     g.add_argument("--num-draft-tokens", type=positive_int, default=None,
                    help="draft tree size (default: --num-steps for a chain, else num-steps * topk)")
     g.add_argument("--kv-compact-impl", choices=KV_COMPACT_CHOICES, default="auto",
@@ -200,9 +203,15 @@ def check_model_arguments(a) -> None:
     if a.draft is not None:
         from specjax.llm import draft_method
         from specjax.tree import SpecConfig
+        method = draft_method(a.draft)
+        tree_flags = (a.num_steps, a.topk, a.num_draft_tokens)
         try:
-            a.spec = SpecConfig(method=draft_method(a.draft), num_steps=a.num_steps, topk=a.topk,
-                                num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max, ngram_min=a.ngram_min)
+            if method != "ngram" and tree_flags == (None, None, None):
+                a.spec = None  # the LLM's default: the draft's spec_defaults, else a chain of 4
+            else:
+                a.spec = SpecConfig(method=method, num_steps=a.num_steps or 4, topk=a.topk or 1,
+                                    num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max,
+                                    ngram_min=a.ngram_min)
         except ValueError as e:
             raise UsageError(flag_message(str(e))) from None
 

@@ -66,6 +66,8 @@ class BatchOptions:
     max_prefill_tokens: int = 8192  # rows * padded length of one prefill call; longer prompts are
     #                                 prefilled in chunks of this many tokens between decode steps
     steps_per_call: int = 8  # decode steps per dispatch; tokens past a request's stop are dropped
+    spec_steps_per_call: int = 4  # fused speculative steps per dispatch (batches without grammars);
+    #                               stop ids and length limits are checked on the device between them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +108,9 @@ def _indexed(rows):
 
 
 def _as_rows(kind: str, x) -> np.ndarray:
-    """A step output on the host as [B, K, ...] (prefill: one token per row; decode: [K, B, ...])."""
+    """A step output on the host as [B, K, ...] (prefill: one token per row; decode and spec: [K, B, ...])."""
     x = np.asarray(x)
-    return x[:, None] if kind == "prefill" else np.swapaxes(x, 0, 1) if kind == "decode" else x
+    return x[:, None] if kind == "prefill" else np.swapaxes(x, 0, 1)
 
 
 class Engine:
@@ -150,7 +152,8 @@ class Engine:
         else:
             from specjax import step
             self.lookahead = step.lookahead(draft.spec, draft.info)
-            ahead, advance = self.lookahead, draft.spec.num_steps + 1
+            advance = draft.spec.num_steps + 1  # one fused step; a dispatch runs up to K of them
+            ahead = self.lookahead + (batch_opts.spec_steps_per_call - 1) * advance
             # a speculative step writes up to `lookahead` entries past a slot's length, also at the end
             # of the context: slots address max_seq_len + lookahead entries (specjax.scheduler, "Capacity")
             tail = self.lookahead
@@ -215,7 +218,8 @@ class Engine:
         else:
             s = self.draft.spec
             mode = (f"speculative ({self.draft.info.method}: num_steps={s.num_steps} topk={s.topk} "
-                    f"num_draft_tokens={s.num_draft_tokens}, lookahead {self.lookahead})")
+                    f"num_draft_tokens={s.num_draft_tokens}, lookahead {self.lookahead}; up to "
+                    f"{b.spec_steps_per_call} steps per dispatch)")
         return (f"{mode}; {b.max_batch} slots of {self.sched.capacity} cache entries (max_seq_len {c.max_seq_len}), "
                 f"{num_pages} pages of {c.page_size}, {jnp.dtype(dtype).name}, prefix cache "
                 f"{'on' if c.prefix_cache else 'off'}, prefill chunks of {self.sched.chunk} tokens; "
@@ -483,14 +487,30 @@ class Engine:
         mask = None if masks is None else masks(rows, len(slots))
         flags = self._flags([r for _, r in rows])
         if self.draft is not None:
+            per_step = self.draft.spec.num_steps + 1
+            # up to spec_steps_per_call steps (one program: the device loop ends when every row finished)
+            K = 1 if mask is not None else self.batch_opts.spec_steps_per_call
             out, trees, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state, self.samp,
-                                                          slots, active, mask, **flags)
-            return self._push("spec", out, trees, _indexed(rows), self.draft.spec.num_steps + 1)
+                                                          slots, active, mask, self._stop_rows(rows, len(slots)),
+                                                          num_steps=K, **flags)
+            return self._push("spec", out, trees, _indexed(rows), K * per_step)
         spc = self.batch_opts.steps_per_call
         K = 1 if mask is not None else min(spc, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, spc))
         out, _, self.state = self.steps.decode_many(self.weights, self.state, self.samp, slots, active, mask,
                                                     num_steps=K, **flags)
         return self._push("decode", out, None, _indexed(rows), K)
+
+
+    def _stop_rows(self, rows, B: int) -> prog.StopRows:
+        """The rows' stop ids (EOS unless ignored, stop_token_ids; [B, E], E bucketed) and the
+        sequence length at which each is finished (prompt + max_len - 1)."""
+        E = bucket(max([len(r.stop_ids) for _, r in rows] + [1]), 4, 1 << 30)
+        ids = np.full((B, E), -1, np.int32)
+        limit = np.zeros(B, np.int32)  # padding rows: finished at once
+        for b, (_, r) in enumerate(rows):
+            ids[b, :len(r.stop_ids)] = sorted(r.stop_ids)
+            limit[b] = len(r.prompt_ids) + r.max_len - 1
+        return prog.StopRows(ids, limit)
 
     def _constrained_step(self, rows) -> _Dispatched | None:
         if self.draft is not None and self.opts.overlap:
@@ -536,20 +556,33 @@ class Engine:
     def _deliver(self, e: _Dispatched) -> None:
         toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x).tolist()  # nested lists, once
                                      for x in (e.out.tokens, e.out.logprob, e.out.top_logprobs, e.out.top_ids))
-        counts = np.asarray(e.out.num_accepted).tolist() if e.kind == "spec" else None
+        counts = _as_rows(e.kind, e.out.num_accepted).tolist() if e.kind == "spec" else None  # [B, K]
         trees = None if e.trees is None else tuple(np.asarray(t) for t in e.trees)
         for b, slot, req, epoch in e.rows:
-            n = len(toks[b]) if counts is None else counts[b]
+            if counts is None:
+                ns = [len(toks[b])]
+            else:  # K fused steps: row b emitted toks[b][k][:n_k]; n_k = 0 once it finished on the device
+                ns = [n for n in counts[b] if n > 0]
+            n = sum(ns)
             if self.sched.slots[slot] is req and req.epoch == epoch:  # host mirror of the device length
                 self.sched.inflight[slot] -= e.advance
                 self.sched.lens[slot] += 0 if e.kind == "prefill" else n
             if req.finished or req.epoch != epoch:
                 continue  # computed after the request finished, was cancelled or preempted: dropped
-            if e.kind == "spec":
-                req.accept_lens.append(n)
+            if counts is None:
+                t_b, lp_b, tl_b, ti_b = (None if x is None else x[b][:n] for x in (toks, lp, top_lp, top_ids))
+            else:
+                t_b, lp_b, tl_b, ti_b = (None if x is None else [v for k, nk in enumerate(ns) for v in x[b][k][:nk]]
+                                         for x in (toks, lp, top_lp, top_ids))
             before = len(req.token_ids)
-            req.extend(toks[b][:n], None if lp is None else lp[b][:n],
-                       None if lp is None else [list(zip(i, v)) for i, v in zip(top_ids[b][:n], top_lp[b][:n])])
+            req.extend(t_b, lp_b, None if lp is None else [list(zip(i, v)) for i, v in zip(ti_b, tl_b)])
+            if counts is not None:  # the steps up to the one that finished the request (a stop string
+                used = 0  # is found on the host only: the device ran on)
+                for nk in ns:
+                    if used >= len(req.token_ids) - before:
+                        break
+                    req.accept_lens.append(nk)
+                    used += nk
             self._report(req, req.token_ids[before:])
             if req.finished:
                 if self.sched.slots[slot] is req:

@@ -92,7 +92,8 @@ def acceptance(accepts: list[list[int]], num_steps: int) -> dict:
             "acc": [sum(a - 1 >= k for a in steps) / len(steps) for k in range(1, num_steps + 1)]}
 
 
-def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: int = 4, topk: int = 1,
+def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: int | None = None,
+             topk: int | None = None,
              num_draft_tokens: int | None = None, ngram_max: int = 4, ngram_min: int = 1, max_batch: int = 1,
              max_tokens: int = MAX_TOKENS, dtype: str = "auto", max_seq_len: int = 2048,
              chat: bool | None = None, warmup_tokens: int = 8, log=print) -> dict:
@@ -103,10 +104,15 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     from specjax.tree import SpecConfig
 
     t0 = time.perf_counter()
-    spec_cfg = SpecConfig(method=draft_method(draft), num_steps=num_steps, topk=topk,
-                          num_draft_tokens=num_draft_tokens, ngram_max=ngram_max, ngram_min=ngram_min)
+    method = draft_method(draft)
+    spec_cfg = None  # no tree flags: the LLM's default (the draft's spec_defaults for max_batch, else a chain of 4)
+    if method == "ngram" or (num_steps, topk, num_draft_tokens) != (None, None, None):
+        spec_cfg = SpecConfig(method=method, num_steps=num_steps or 4, topk=topk or 1,
+                              num_draft_tokens=num_draft_tokens, ngram_max=ngram_max, ngram_min=ngram_min)
     plain = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len)
     spec = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len, draft=draft, spec=spec_cfg)
+    spec_cfg = spec.spec
+    num_steps, topk = spec_cfg.num_steps, spec_cfg.topk
     chat = bool(plain.tokenizer.chat_template) if chat is None else chat
     ids = {c: [p for p in _ids(plain, ps, chat) if len(p) + 1 < max_seq_len] for c, ps in sets.items()}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)  # equal work
@@ -334,8 +340,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"new tokens per prompt, the same for plain and speculative decoding (EOS ignored) "
                    f"(default: {MAX_TOKENS}; {QUICK_TOKENS} with --quick)")
     p.add_argument("--max-batch", type=int, default=1, help="requests decoded together")
-    p.add_argument("--num-steps", type=int, default=4, help="tokens drafted per step (tree depth)")
-    p.add_argument("--topk", type=int, default=1, help="draft tree branching (1 = chain)")
+    p.add_argument("--num-steps", type=int, default=None,
+                   help="tokens drafted per step (tree depth; default: the draft's spec_defaults, else 4)")
+    p.add_argument("--topk", type=int, default=None, help="draft tree branching (1 = chain; default: the draft's "
+                   "spec_defaults, else 1)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="draft tree size (default: num_steps for a chain, num_steps * topk for a tree)")
     p.add_argument("--ngram-max", type=int, default=4, help="n-gram drafter: longest suffix matched")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,8 @@ from specjax.engine import BatchOptions, CacheOptions, Engine
 from specjax.request import Request, RequestOutput
 from specjax.sampling_params import SamplingParams, SamplingParamsError
 from specjax.scheduler import SchedulerOptions
+
+log = logging.getLogger("specjax")
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -103,7 +106,7 @@ class LLM:
         else:
             self.cfg, module = load_model(self.model_dir, dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.max_seq_len = max_seq_len
+        self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.spec = None
         engine_draft = None
         if draft is not None:
@@ -115,13 +118,32 @@ class LLM:
         self._rng = random.Random(seed)
         self._next_id = 0
 
+    def _default_spec(self, draft, kind):
+        """The tree shape when none is given: the draft's measured spec_defaults for this max_batch
+        (checkpoint.head_spec_defaults), else a chain of 4."""
+        from specjax.checkpoint import head_spec_defaults
+        from specjax.tree import SpecConfig
+        found = None if draft in ("self", "ngram") else head_spec_defaults(draft, self.max_batch)
+        if found is None:
+            return SpecConfig(method=kind, num_steps=4)
+        kw, batch = found
+        try:
+            spec = SpecConfig(method=kind, **kw)
+        except ValueError as e:
+            raise ValueError(f"{draft}/specjax.json spec_defaults[{batch}]: {e}") from None
+        log.info("speculation: num_steps=%d topk=%d num_draft_tokens=%d (the draft's spec_defaults for batch %d)",
+                 spec.num_steps, spec.topk, spec.num_draft_tokens, batch)
+        return spec
+
     def _load_draft(self, draft, spec, target_module, dtype):
         from specjax.checkpoint import load_model
         from specjax.drafter import DraftInfo
         from specjax.engine import Draft
         from specjax.tree import SpecConfig
         kind = draft_method(draft)
-        self.spec = spec or SpecConfig(method=kind, num_steps=4)
+        if spec is None:
+            spec = self._default_spec(draft, kind)
+        self.spec = spec
         if self.spec.method != kind:
             raise ValueError(f"SpecConfig.method={self.spec.method!r} but the draft "
                              f"{'(the target itself)' if draft == 'self' else str(draft)} is a {kind!r} draft")

@@ -7,8 +7,10 @@ at admission and gathered by slot in every step, so the host sends no per-step p
 Speculative programs also return the rows' next draft trees (tokens, parents [B, N]), which the
 host needs for grammar masks of the following step.
 
-The speculative step exists fused (`step`: verify + accept + compact + draft, one program) and
-split (`verify` | `finish`) so that a grammar batch can compute its tree masks on the host while
+The speculative step exists fused (`step`: verify + accept + compact + draft, one program; up to K
+of them per dispatch in one device loop, each row's stop ids and length limit (`StopRows`) checked on
+the device after every step so that a finished row stops changing state, the loop ending once every
+row has finished) and split (`verify` | `finish`) so that a grammar batch can compute its tree masks on the host while
 the target forward runs. `verify` donates the state and hands it back with the tree's K/V written
 (no copy of the cache); `finish` takes it with the logits and the masks.
 
@@ -98,12 +100,36 @@ def plain_programs(graphdef, params) -> tuple[PlainPrograms, list]:
     ), weights
 
 
+class StopRows(NamedTuple):
+    """Per-row stop conditions that a multi-step dispatch checks on the device after every step, so
+    a finished row stops changing state (it goes inactive for the remaining steps).
+    ids: [B, E] int32 stop token ids (-1 pads); limit: [B] int32 the slot's sequence length at
+    which the request is finished (len(prompt) + max_len - 1: its max_tokens or the context end)."""
+    ids: jax.Array
+    limit: jax.Array
+
+
+def no_stop(batch: int) -> StopRows:
+    """Stop conditions that never stop a row (benchmarks, program tests)."""
+    return StopRows(jnp.full((batch, 1), -1, jnp.int32), jnp.full((batch,), jnp.iinfo(jnp.int32).max, jnp.int32))
+
+
+def _finished(out, seq_lens, stop: StopRows):
+    """Rows finished by a step: a stop id among their out.num_accepted [B] emitted tokens
+    out.tokens [B, S + 1], or their new length seq_lens [B] at the limit -> [B] bool."""
+    emitted = jnp.arange(out.tokens.shape[1])[None, :] < out.num_accepted[:, None]  # [B, S + 1]
+    hit = (out.tokens[:, :, None] == stop.ids[:, None, :]) & (stop.ids[:, None, :] >= 0)  # [B, S + 1, E]
+    return jnp.any(hit.any(-1) & emitted, axis=1) | (seq_lens >= stop.limit)
+
+
 class SpecPrograms(NamedTuple):
     prefill: Callable  # (tw, dw, state, samp_all, rows: PrefillRows, samp, mask, *, ...)
     #                    -> (out, trees, state, samp_all)
-    step: Callable  # fused: (tw, dw, state, samp_all, slots, active, mask, *, ...) -> (SpecOut, trees, state)
+    step: Callable  # fused, K steps: (tw, dw, state, samp_all, slots, active, mask, stop: StopRows, *,
+    #                 num_steps, ...) -> (SpecOut with [K, B] fields, trees, state); a mask needs K == 1
     verify: Callable  # (tw, state, slots, active) -> (logits, h, aux), state
-    finish: Callable  # (tw, dw, state, verified, samp_all, slots, active, mask, *, ...) -> (SpecOut, trees, state)
+    finish: Callable  # (tw, dw, state, verified, samp_all, slots, active, mask, *, ...)
+    #                   -> (SpecOut with [1, B] fields, trees, state)
 
 
 def _trees(state, slots):
@@ -126,10 +152,36 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
                            stochastic=stochastic, token_mask=mask)
         return out, _trees(state, rows.slots), state, _put_rows(samp_all, rows.slots, samp)
 
-    def fused(tw, dw, state, samp_all, slots, active, mask, *, want_logprobs, stochastic):
-        out, state = bound(step_lib.spec_step, tw, dw, state, slots, active, _take_rows(samp_all, slots),
-                           want_logprobs=want_logprobs, stochastic=stochastic, token_mask=mask, kernels=kernels)
-        return out, _trees(state, slots), state
+    def fused(tw, dw, state, samp_all, slots, active, mask, stop, *, num_steps, want_logprobs, stochastic):
+        samp = _take_rows(samp_all, slots)
+        rs = jnp.minimum(slots, state.cache.seq_lens.shape[0] - 1)
+        assert mask is None or num_steps == 1, "a grammar mask covers one speculative step"
+
+        def one(state, act):  # one fused step; rows finished by it are inactive for the next ones
+            out, state = bound(step_lib.spec_step, tw, dw, state, slots, act, samp, want_logprobs=want_logprobs,
+                               stochastic=stochastic, token_mask=mask, kernels=kernels)
+            return out, state, act & ~_finished(out, state.cache.seq_lens[rs], stop)
+
+        def live(state, act):  # a row dispatched again after its end (the host reads one step behind)
+            return act & (state.cache.seq_lens[rs] < stop.limit)
+
+        # up to num_steps steps; the loop ends early once every row has finished (steps not run
+        # report num_accepted 0, like inactive rows)
+        shapes = jax.eval_shape(lambda st, a: one(st, a)[0], state, active)
+        outs = jax.tree.map(lambda sd: jnp.zeros((num_steps,) + sd.shape, sd.dtype), shapes)
+
+        def cond(carry):
+            k, _, act, _ = carry
+            return (k < num_steps) & jnp.any(act)
+
+        def body(carry):
+            k, state, act, outs = carry
+            out, state, act = one(state, act)
+            outs = jax.tree.map(lambda buf, x: buf.at[k].set(x), outs, out)
+            return k + 1, state, live(state, act), outs
+
+        _, state, _, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), state, live(state, active), outs))
+        return outs, _trees(state, slots), state
 
     def verify(tw, state, slots, active):
         target = nnx.merge(target_graphdef, tunflat(tw))
@@ -144,10 +196,11 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         acc = step_lib.accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask=mask,
                               kernels=kernels)
         new = step_lib.draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic)
-        return acc.out, _trees(new, slots), new
+        return jax.tree.map(lambda x: x[None], acc.out), _trees(new, slots), new
 
     jit = functools.partial(jax.jit, static_argnames=_STATIC)
-    return SpecPrograms(prefill=jit(prefill, donate_argnums=(2, 3)), step=jit(fused, donate_argnums=(2,)),
+    return SpecPrograms(prefill=jit(prefill, donate_argnums=(2, 3)),
+                        step=jax.jit(fused, donate_argnums=(2,), static_argnames=("num_steps",) + _STATIC),
                         verify=jax.jit(verify, donate_argnums=(1,)),
                         finish=jit(finish, donate_argnums=(2,))), tw0, dw0
 

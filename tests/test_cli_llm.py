@@ -218,14 +218,53 @@ def test_cli_generate_draft_self_equals_plain(llm, tmp_path, topk):
             spec=SpecConfig(method="eagle", num_steps=3))
 
 
-def test_cli_speculate_uses_the_shipped_head(llm, tmp_path):
-    """`specjax generate --speculate`: the shipped EAGLE-3 head, same greedy text as plain (f32)."""
+def test_cli_speculate_uses_the_shipped_head(llm, tmp_path, monkeypatch, caplog):
+    """`specjax generate --speculate`: the shipped EAGLE-3 head, same greedy text as plain (f32). The
+    head's weights in a copy whose specjax.json carries measured tree shapes (spec_defaults): with no
+    tree flags the one for --max-batch is used."""
+    import logging
+
+    import specjax.assets
+    from specjax.assets import DEFAULT_HEAD_DIR
+    head = tmp_path / "head"
+    head.mkdir()
+    for name in ("config.json", "params"):
+        (head / name).symlink_to(DEFAULT_HEAD_DIR / name)
+    meta = json.loads((DEFAULT_HEAD_DIR / "specjax.json").read_text())
+    meta["spec_defaults"] = {"1": {"num_steps": 3, "topk": 2, "num_draft_tokens": 5},
+                             "8": {"num_steps": 2, "topk": 1, "num_draft_tokens": 2}}
+    (head / "specjax.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(specjax.assets, "DEFAULT_HEAD_DIR", head)
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(json.dumps({"prompt": TEXTS[0]}) + "\n")
-    rc = main(["generate", "--prompts", str(src), "--output", str(out), "--max-tokens", "8", "--dtype", "float32",
-               "--temperature", "0", "--max-batch", "1", "--max-seq-len", str(MAX_SEQ), "--speculate"])
+    with caplog.at_level(logging.INFO, logger="specjax"):
+        rc = main(["generate", "--prompts", str(src), "--output", str(out), "--max-tokens", "8", "--dtype",
+                   "float32", "--temperature", "0", "--max-batch", "1", "--max-seq-len", str(MAX_SEQ), "--speculate"])
     assert rc == 0
     got = json.loads(out.read_text())
     want = llm.generate([llm.apply_chat_template([{"role": "user", "content": TEXTS[0]}])], GREEDY8)[0]
     assert (got["text"], got["token_ids"]) == (want.text, want.token_ids)
     assert got["accept_len_mean"] >= 1.0
+    assert "num_steps=3 topk=2 num_draft_tokens=5 (the draft's spec_defaults for batch 1)" in caplog.text
+    assert "speculative (eagle3: num_steps=3 topk=2 num_draft_tokens=5" in caplog.text  # the engine runs it
+
+
+def test_head_spec_defaults(tmp_path):
+    """The entry of the largest batch <= the asked one (else the smallest); malformed tables are
+    named errors; no table: None."""
+    from specjax.checkpoint import CheckpointError, head_spec_defaults
+    (tmp_path / "specjax.json").write_text(json.dumps({"kind": "eagle3"}))
+    assert head_spec_defaults(tmp_path, 4) is None
+    table = {"1": {"num_steps": 5, "topk": 1, "num_draft_tokens": 5}, "16": {"num_steps": 3, "topk": 2},
+             "64": {"num_steps": 2}}
+    (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": table}))
+    assert head_spec_defaults(tmp_path, 1) == (table["1"], 1)
+    assert head_spec_defaults(tmp_path, 15) == (table["1"], 1)
+    assert head_spec_defaults(tmp_path, 32) == (table["16"], 16)
+    assert head_spec_defaults(tmp_path, 512) == (table["64"], 64)
+    (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": {"4": {"num_steps": 5}}}))
+    assert head_spec_defaults(tmp_path, 1) == ({"num_steps": 5}, 4)  # smaller than every entry
+    for bad in ({"one": {"num_steps": 2}}, {"1": {"topk": 2}}, {"1": 3}):
+        (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": bad}))
+        with pytest.raises(CheckpointError, match="spec_defaults"):
+            head_spec_defaults(tmp_path, 1)

@@ -105,7 +105,7 @@ def test_spec_programs_export_for_tpu(method):
     text = _export(progs.prefill, tw, dw, state, _samp(B), rows, _samp(B), None, **flags)
     assert text.count(KERNEL) == L + Ld * spec.num_steps
     # fused step: tree verify (target), draft extend + growth; KV compaction (jnp) in between
-    text = _export(progs.step, tw, dw, state, _samp(B), slots, active, None, **flags)
+    text = _export(progs.step, tw, dw, state, _samp(B), slots, active, None, prog.no_stop(B), num_steps=1, **flags)
     assert text.count(KERNEL) == L + Ld * spec.num_steps
     assert "compact" in text  # the compaction's named scope is in the program
     verified_shapes = jax.eval_shape(progs.verify, tw, state, slots, active)
