@@ -126,6 +126,9 @@ class AsyncLLM:
             llm = LLM(**llm_kwargs)
         elif llm_kwargs:
             raise TypeError(f"give an LLM or LLM arguments, not both ({sorted(llm_kwargs)})")
+        if llm.process_index != 0:
+            raise RuntimeError(f"AsyncLLM takes requests on JAX process 0; process {llm.process_index} runs "
+                               "them with llm.follow()")
         self.llm = llm
         self.engine = llm.engine
         self.grammar_timeout = grammar_timeout

@@ -153,8 +153,13 @@ def param_shardings(model_or_state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
-    """Place the model's parameters on the mesh (in place; returns the model)."""
+    """Place the model's parameters on the mesh (in place; returns the model). A mesh over several
+    processes: parameters held by this process alone (e.g. a draft head loaded on every process) go
+    through the host (each process gives the same values; device_put does not replicate a local
+    device array onto other processes' devices)."""
     state = nnx.state(model, nnx.Param)
+    if jax.process_count() > 1:
+        state = jax.tree.map(lambda x: np.asarray(x) if getattr(x, "is_fully_addressable", False) else x, state)
     nnx.update(model, jax.device_put(state, param_shardings(state, mesh, rules)))
     return model
 
