@@ -99,13 +99,8 @@ def _is_loopback(host: str) -> bool:
 
 
 def cmd_serve(a) -> int:
-    import uvicorn
-
-    from specjax.async_llm import AsyncLLM
-    from specjax.cli import llm_from_args
+    from specjax.cli import UsageError, llm_from_args
     from specjax.machine import log_backend
-    from specjax.server import ServerConfig, build_app
-    from specjax.cli import UsageError
     try:  # argparse-style (usage, exit 2) also under `python -m specjax.cli`, whose UsageError is __main__'s
         _check_limits(a)
         mode = resolve_speculation(a)
@@ -117,6 +112,10 @@ def cmd_serve(a) -> int:
     log_backend()
     if a.process_id:
         return _follow(a, mode)
+    import uvicorn
+
+    from specjax.async_llm import AsyncLLM
+    from specjax.server import ServerConfig, build_app
     if not _is_loopback(a.host) and a.api_key is None:
         print(f"specjax serve: warning: listening on {a.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)

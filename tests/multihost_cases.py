@@ -11,6 +11,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)  # logprobs e
 PARAMS = [GREEDY, GREEDY, SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, stop_token_ids=[40]), GREEDY]
 STREAM_PROMPTS = ["w5 w17 w3 w9", "w30 w31"]
 STREAM_PARAMS = GREEDY
+LONG = SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True)  # closed after its first token
 
 
 def output_record(o) -> dict:

@@ -16,13 +16,16 @@ port, pid, model_dir, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys
 multihost.initialize(f"127.0.0.1:{port}", 2, pid)  # before anything else touches JAX
 
 from specjax import LLM  # noqa: E402
-from multihost_cases import LLM_ARGS, PROMPTS, PARAMS, STREAM_PROMPTS, STREAM_PARAMS, output_record  # noqa: E402
+from multihost_cases import LLM_ARGS, LONG, PARAMS, PROMPTS, STREAM_PARAMS, STREAM_PROMPTS, output_record  # noqa: E402
 
 lead = pid == 0
 llm = LLM(model_dir, **LLM_ARGS)
 res = {"generate": [output_record(o) for o in llm.generate(PROMPTS if lead else None, PARAMS if lead else None)]}
 res["stream"] = [[d.index, d.token_ids, d.finish_reason] for d in
                  llm.generate_stream(STREAM_PROMPTS if lead else None, STREAM_PARAMS if lead else None)]
+early = llm.generate_stream(STREAM_PROMPTS[:1] if lead else None, LONG if lead else None)
+res["early"] = next(early).token_ids
+early.close()  # process 0 cancels the request; the others cancel it too
 try:  # a call that fails on process 0 (a prompt of the wrong type) fails on the others too
     llm.generate([3.5] if lead else None)
     res["bad_call"] = None
@@ -30,6 +33,8 @@ except Exception as e:  # noqa: BLE001
     res["bad_call"] = f"{type(e).__name__}: {e}"
 res["after_bad_call"] = [output_record(o) for o in llm.generate(PROMPTS[:1] if lead else None,
                                                                 PARAMS[:1] if lead else None)]
+st = llm.engine.stats()
+res["idle"] = [st["running"], st["queue_length"], st["pages_in_use"]]
 if lead:
     llm.close()  # releases the others from follow()
 else:

@@ -1,7 +1,8 @@
 """Multi-host: 2 JAX processes on 127.0.0.1 (jax.distributed, CPU collectives), one CPU device each,
 the tiny random model sharded over both (tensor_parallel=2). Their outputs equal the single-process
 ones (this process: the same model over 2 of its CPU devices): LLM.generate / generate_stream with
-process 0's requests on both processes (tests/multihost_worker.py), and `specjax serve` started
+process 0's requests on both processes (tests/multihost_worker.py; a stream closed early cancels its
+request on both, a call that fails on process 0 fails on both, no page is left held), and `specjax serve` started
 on both processes with the multi-host flags (speculative: n-gram drafter; greedy float32 outputs
 equal plain decoding), answered by process 0 only. Every wait is bounded; a hung job is killed and
 the test fails with both processes' logs."""
@@ -21,7 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from multihost_cases import GREEDY, LLM_ARGS, PARAMS, PROMPTS, STREAM_PARAMS, STREAM_PROMPTS, output_record
+from multihost_cases import GREEDY, LLM_ARGS, LONG, PARAMS, PROMPTS, STREAM_PARAMS, STREAM_PROMPTS, output_record
 from server_utils import wait_for
 from specjax import LLM
 from tiny_dir import make_tiny_model_dir
@@ -100,6 +101,9 @@ def test_llm_on_two_processes_equals_one(model_dir, reference, tmp_path):
         ref = [output_record(o) for o in reference.generate(PROMPTS, PARAMS)]
         ref_stream = [[d.index, d.token_ids, d.finish_reason] for d in
                       reference.generate_stream(STREAM_PROMPTS, STREAM_PARAMS)]
+        early = reference.generate_stream(STREAM_PROMPTS[:1], LONG)
+        ref_early = next(early).token_ids
+        early.close()
     finally:
         codes = job.finish()
     assert codes == [0, 0], job.tails()
@@ -115,6 +119,7 @@ def test_llm_on_two_processes_equals_one(model_dir, reference, tmp_path):
                     assert ge.keys() == re_.keys() and all(abs(ge[k] - re_[k]) < 1e-4 for k in ge)
         assert got["stream"] == ref_stream, f"process {pid}"
         assert got["after_bad_call"] == ref[:1], f"process {pid}"
+        assert got["early"] == ref_early and got["idle"] == [0, 0, 0], f"process {pid}"  # cancelled: pages freed
     lead, follower = (json.loads(p.read_text()) for p in outs)
     assert lead["bad_call"].startswith("PromptError: prompt 0 must be a string")
     assert follower["bad_call"] == f"RuntimeError: process 0's generate call failed: {lead['bad_call']}"
@@ -173,3 +178,24 @@ def test_specjax_serve_on_two_processes(model_dir, reference, tmp_path):
     leader, follower = (log.read_text() for log in logs)
     assert "specjax serve: engine stopped" in leader and "Traceback" not in leader + follower, job.tails()
     assert "following process 0" in follower and "process 0 stopped; exiting" in follower, job.tails()
+
+
+def test_multi_host_flags_come_together(capsys):
+    from specjax import cli
+    for argv, why in ((["--coordinator", "127.0.0.1:1234"], "got only --coordinator"),
+                      (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], r"\[0, 1\], got 2")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["serve", "--no-speculate", *argv])
+        assert e.value.code == 2 and re.search(why, capsys.readouterr().err)
+
+
+def test_a_mesh_must_reach_every_process(monkeypatch):
+    import jax
+
+    from specjax import multihost, sharding
+    mesh = sharding.make_mesh(2)  # this process's devices only
+    multihost.check_mesh(mesh)  # one process: fine
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    for m in (mesh, None):
+        with pytest.raises(ValueError, match="2 JAX processes, but tensor_parallel=.* of 1 of them"):
+            multihost.check_mesh(m)
