@@ -145,7 +145,7 @@ class Engine:
             rules = sharding.resolve_rules(cfg, tp)
             sharding.shard_model(model, mesh, rules)
             if draft is not None and draft.model is not None and draft.model is not model:
-                sharding.shard_model(draft.model, mesh, sharding.resolve_rules(draft.kv_cfg, tp))
+                sharding.shard_model(draft.model, mesh, sharding.model_rules(draft.model, draft.kv_cfg, tp))
         model, draft = self._choose_attention(attention, model, cfg, draft, cache_opts.page_size, dtype, mesh)
         self.draft = draft
         if draft is None:

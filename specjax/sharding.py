@@ -19,7 +19,7 @@ layout it went in with and the next call reuses the same executable.
 
 KV heads are never replicated: a model whose num_kv_heads is not divisible by tp is refused
 (check_divisible). The vocabulary falls back to replication when it is not divisible
-(resolve_rules).
+(resolve_rules; model_rules also looks at the parameters, e.g. an EAGLE-3 head's draft vocabulary).
 
 Multi-host: the same code path. Every host runs the same program and calls
 jax.distributed.initialize() before anything else touches JAX, then builds make_mesh(tp) over
@@ -102,6 +102,20 @@ def resolve_rules(cfg, tp: int, rules: Rules | None = None) -> Rules:
     if rules.get("vocab") and cfg.vocab_size % tp:
         rules["vocab"] = None
     check_divisible(cfg, tp, rules)
+    return rules
+
+
+def model_rules(model: nnx.Module, cfg, tp: int) -> Rules:
+    """resolve_rules(cfg, tp) for a model whose vocabulary-axis parameters may be narrower than
+    cfg.vocab_size (an EAGLE-3 head's reduced draft vocabulary): the vocabulary is replicated unless
+    tp divides every one of them."""
+    rules = resolve_rules(cfg, tp)
+    if rules.get("vocab"):
+        for _, var in nnx.iter_graph(model):
+            if isinstance(var, nnx.Param):
+                axes = var.get_metadata().get("logical_axes") or ()
+                if any(ax == "vocab" and n % tp for ax, n in zip(axes, var.shape)):
+                    rules["vocab"] = None
     return rules
 
 
