@@ -37,7 +37,8 @@ import jax
 
 from specjax.sampling_params import SamplingParams
 
-__all__ = ["Channel", "Follower", "Leader", "LeaderStopped", "check_mesh", "initialize", "is_multi_process", "shutdown"]
+__all__ = ["Channel", "Follower", "Leader", "LeaderStopped", "check_mesh", "initialize", "is_multi_process",
+           "shutdown"]
 
 POLL_MS = 60_000  # a follower waits for the next message in slices of this (an idle server sends none)
 _channels = 0  # multi-process engines made by this process (the same count on every process)

@@ -139,10 +139,11 @@ def _get(port: int, path: str) -> tuple[int, str]:
 def test_specjax_serve_on_two_processes(model_dir, reference, tmp_path):
     coord, port = _free_port(), _free_port()
     logs = [tmp_path / f"serve{i}.txt" for i in range(2)]
-    job = Job(lambda pid: [sys.executable, "-m", "specjax.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
-                           "--max-batch", "2", "--max-seq-len", "32", "--tensor-parallel", "2", "--speculate", "ngram",
-                           "--port", str(port), "--log-level", "warning", "--coordinator", f"127.0.0.1:{coord}",
-                           "--num-processes", "2", "--process-id", str(pid)], logs)
+    job = Job(lambda pid: [sys.executable, "-m", "specjax.cli", "serve", "--model", str(model_dir),
+                           "--dtype", "float32", "--max-batch", "2", "--max-seq-len", "32", "--tensor-parallel", "2",
+                           "--speculate", "ngram", "--port", str(port), "--log-level", "warning",
+                           "--coordinator", f"127.0.0.1:{coord}", "--num-processes", "2", "--process-id", str(pid)],
+              logs)
     try:
         refs = [o.text for o in reference.generate(PROMPTS[:3], GREEDY)]  # plain decoding
 
