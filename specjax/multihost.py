@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import queue
 import threading
 from collections.abc import Callable, Iterator
 
@@ -147,13 +148,18 @@ def request_fields(req) -> dict:
 
 
 class Leader:
-    """Process 0's side: logs the commands given to its Engine and sends them before each step."""
+    """Process 0's side: logs the commands given to its Engine and sends them before each step. The
+    key-value store calls run on a sender thread (in order), so a step waits for none of them."""
 
     def __init__(self, channel: Channel):
         self.channel = channel
         self._log: list = []
         self._lock = threading.Lock()  # the engine thread sends; LLM.close may come from another thread
         self.closed = False
+        self._out: queue.SimpleQueue = queue.SimpleQueue()  # payloads, None: no more
+        self._failed: BaseException | None = None
+        self._sender = threading.Thread(target=self._send_loop, name="specjax-multihost-send", daemon=True)
+        self._sender.start()
 
     def add(self, req) -> None:
         with self._lock:
@@ -165,13 +171,29 @@ class Leader:
 
     def send(self, then: str, error: str | None = None) -> None:
         """Send the logged commands, then `then`: "step" (the followers step once), "end" (the end of
-        an LLM.generate call; `error`: why it failed) or "stop" (followers leave LLM.follow)."""
+        an LLM.generate call; `error`: why it failed) or "stop" (followers leave LLM.follow; returns
+        once every message is delivered)."""
         with self._lock:
+            if self._failed is not None:
+                raise RuntimeError(f"cannot reach the other processes: {type(self._failed).__name__}: "
+                                   f"{self._failed}") from self._failed
             if self.closed:
                 raise LeaderStopped("this LLM was closed (LLM.close): its other processes have stopped following")
             msg, self._log = {"commands": self._log, "then": then, "error": error}, []
-            self.channel.send(json.dumps(msg).encode())
-            self.closed = then == "stop"
+            self._out.put(json.dumps(msg).encode())
+            if then == "stop":
+                self.closed = True
+                self._out.put(None)
+        if then == "stop":
+            self._sender.join()
+
+    def _send_loop(self) -> None:
+        while (payload := self._out.get()) is not None:
+            try:
+                self.channel.send(payload)
+            except BaseException as e:  # noqa: BLE001 - reported by the next send
+                self._failed = e
+                return
 
 
 @dataclasses.dataclass
