@@ -10,6 +10,8 @@ Reported per run:
   ITL          gaps between consecutive streamed content chunks (p50 / p99, ms); a speculative step
                delivers several tokens in one chunk, so also
   TPOT         (last token - first token) / (output tokens - 1) per request (p50, ms)
+  tau, prefix hit rate   from the server's /metrics over the run (tokens per speculative step;
+               prompt tokens reused from the prefix cache / prompt tokens looked up)
 Prefix cache: when `specjax serve --help` offers --no-prefix-cache, runs are made with the cache on and
 off; otherwise the server has no prefix cache, and the script says so and makes one run per workload.
 
@@ -265,8 +267,13 @@ def main(argv=None) -> int:
                         m1 = server.metrics()
                         steps = m1.get("specjax_spec_steps_total", 0) - m0.get("specjax_spec_steps_total", 0)
                         toks = m1.get("specjax_spec_tokens_total", 0) - m0.get("specjax_spec_tokens_total", 0)
+                        looked = (m1.get("specjax_prefix_cache_queried_tokens_total", 0)
+                                  - m0.get("specjax_prefix_cache_queried_tokens_total", 0))
+                        reused = (m1.get("specjax_prefix_cache_hit_tokens_total", 0)
+                                  - m0.get("specjax_prefix_cache_hit_tokens_total", 0))
                         res.update(mode=mode, prefix_cache=label, workload=wname, rate=rate,
-                                   tau=toks / steps if steps else None)
+                                   tau=toks / steps if steps else None,
+                                   prefix_hit_rate=reused / looked if looked else None)
                         results.append(res)
                         print(f"[bench_serve] {mode} | {wname} | rate {rate:g}: {res['out_tok_per_s']:.1f} tok/s, "
                               f"TTFT p50 {res['ttft_p50_ms']:.0f} ms, ITL p99 {res['itl_p99_ms']:.0f} ms"
@@ -282,13 +289,14 @@ def main(argv=None) -> int:
 def print_table(results, a) -> None:
     print(f"\n{a.num_requests} requests x {a.max_tokens} output tokens, {a.dtype}, max_batch {a.max_batch}\n")
     print("| mode | prefix cache | workload | rate (req/s) | done | req/s | out tok/s | TTFT p50 / p99 (ms) "
-          "| ITL p50 / p99 (ms) | TPOT p50 (ms) | tau |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ITL p50 / p99 (ms) | TPOT p50 (ms) | tau | prefix hit rate |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
+        hit = "" if r["prefix_hit_rate"] is None else f"{r['prefix_hit_rate']:.0%}"
         print(f"| {r['mode']} | {r['prefix_cache']} | {r['workload']} | {r['rate']:g} | {r['completed']} | "
               f"{r['req_per_s']:.2f} | {r['out_tok_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
-              f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['tpot_p50_ms']:.1f} | {tau} |")
+              f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['tpot_p50_ms']:.1f} | {tau} | {hit} |")
 
 
 if __name__ == "__main__":

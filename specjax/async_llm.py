@@ -55,7 +55,8 @@ class RequestDelta:
 
 @dataclasses.dataclass
 class EngineStats:
-    """Counters since start and gauges after the last engine step (written by the engine thread)."""
+    """Counters since start and gauges after the last engine step (written by the engine thread).
+    `engine` is the engine's own Engine.stats() of that moment (KV pages, prefix cache, prefills)."""
     finished: Counter = dataclasses.field(default_factory=Counter)  # requests by finish_reason
     generation_tokens: int = 0
     spec_steps: int = 0  # speculative steps of finished requests
@@ -63,15 +64,16 @@ class EngineStats:
     engine_steps: int = 0
     running: int = 0
     waiting: int = 0
-    kv_pages_used: int = 0
+    kv_pages_used: int = 0  # distinct pages held by requests (a page shared through the prefix cache: once)
     kv_pages_total: int = 0
+    engine: dict = dataclasses.field(default_factory=dict)
 
     def observe(self, engine, waiting_outside: int) -> None:
-        alloc = engine.alloc
-        self.running = sum(r is not None for r in engine.slots)
-        self.waiting = len(engine.sched.queue) + waiting_outside
-        used = sum(len(pages) for pages in alloc.owned)
-        self.kv_pages_used, self.kv_pages_total = used, used + alloc.num_free
+        st = engine.stats()
+        self.running = st["running"]
+        self.waiting = st["queue_length"] + waiting_outside
+        self.kv_pages_used, self.kv_pages_total = st["pages_in_use"], st["pages_total"]
+        self.engine = st  # a new dict each time: readers see one step's figures
 
 
 class RequestStream:
@@ -126,6 +128,9 @@ class AsyncLLM:
             llm = LLM(**llm_kwargs)
         elif llm_kwargs:
             raise TypeError(f"give an LLM or LLM arguments, not both ({sorted(llm_kwargs)})")
+        if llm.process_index != 0:
+            raise RuntimeError(f"AsyncLLM takes requests on JAX process 0; process {llm.process_index} runs "
+                               "them with llm.follow()")
         self.llm = llm
         self.engine = llm.engine
         self.grammar_timeout = grammar_timeout

@@ -20,6 +20,10 @@ One engine step (`Engine.step`):
      step t+1 computed for it is dropped, so the outputs are those of the synchronous loop
      (SchedulerOptions(async_loop=False): read every step right after dispatching it).
 
+Several JAX processes (specjax.multihost): every process runs this engine; process 0's `replica`
+sends the requests added / cancelled since the last step before each step, the others replay them,
+so all make the same decisions and dispatch the same programs.
+
 Batches with grammar-constrained rows need step t's tokens (and next tree) before step t+1's masks.
 Plain decoding reads t, builds [B, W] masks and dispatches t+1 (one token per dispatch). Speculative
 decoding dispatches the target forward over the tree of t+1 first (it depends only on the device
@@ -143,7 +147,7 @@ class Engine:
             rules = sharding.resolve_rules(cfg, tp)
             sharding.shard_model(model, mesh, rules)
             if draft is not None and draft.model is not None and draft.model is not model:
-                sharding.shard_model(draft.model, mesh, sharding.resolve_rules(draft.kv_cfg, tp))
+                sharding.shard_model(draft.model, mesh, sharding.model_rules(draft.model, draft.kv_cfg, tp))
         model, draft = self._choose_attention(attention, model, cfg, draft, cache_opts.page_size, dtype, mesh)
         self.draft = draft
         if draft is None:
@@ -192,6 +196,7 @@ class Engine:
             self.samp = jax.device_put(self.samp, sharding.replicated(mesh))
         self._pending: deque[_Dispatched] = deque()
         self._updates: dict[int, StepUpdate] = {}
+        self.replica = None  # multi-host, process 0: a specjax.multihost.Leader sending the commands below
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
 
@@ -303,6 +308,8 @@ class Engine:
     def add_request(self, req: Request) -> None:
         """Queue a request. One that cannot be served (prompt too long for the context or the cache,
         invalid constraint) fails on its own (finish_reason "error"), reported by the next step."""
+        if self.replica is not None:
+            self.replica.add(req)
         if not req.finished:
             why = self.sched.never_fits(req)
             if why is None and req.params.constraint is not None and req.grammar is None:
@@ -331,6 +338,8 @@ class Engine:
     def cancel(self, request_id: int) -> bool:
         """Cancel a queued or running request (finish_reason "cancelled"); its slot and pages are
         freed at once. False if no unfinished request has that id."""
+        if self.replica is not None:
+            self.replica.cancel(request_id)
         for req in list(self.sched.queue):
             if req.id == request_id:
                 self.sched.remove_queued(req)
@@ -358,6 +367,8 @@ class Engine:
     def step(self) -> list[StepUpdate]:
         """Admit, dispatch the next step, read the previous one. Returns the requests that got
         tokens or finished since the last call."""
+        if self.replica is not None:  # multi-host: the other processes take the same step
+            self.replica.send("step")
         pieces = self.sched.plan_prefill()
         if pieces:
             self._prefill(pieces)

@@ -1,14 +1,18 @@
 """The user-facing Python API: `LLM(...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import logging
 import random
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import jax.numpy as jnp
 
+from specjax import multihost
 from specjax.engine import BatchOptions, CacheOptions, Engine
 from specjax.request import Request, RequestOutput
 from specjax.sampling_params import SamplingParams, SamplingParamsError
@@ -102,8 +106,10 @@ class LLM:
         if tensor_parallel != 1:
             from specjax import sharding
             mesh = sharding.make_mesh(tensor_parallel)
+            multihost.check_mesh(mesh)
             self.cfg, module = sharding.restore_sharded(self.model_dir, mesh, dtype=dtype)
         else:
+            multihost.check_mesh(None)
             self.cfg, module = load_model(self.model_dir, dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
@@ -117,6 +123,14 @@ class LLM:
                              attention=attention)
         self._rng = random.Random(seed)
         self._next_id = 0
+        self._follower = None  # multi-host, processes other than 0 (specjax.multihost)
+        if multihost.is_multi_process():
+            channel = multihost.new_channel()
+            if channel.me == 0:
+                self.engine.replica = multihost.Leader(channel)
+                atexit.register(_close_at_exit, weakref.ref(self))
+            else:
+                self._follower = multihost.Follower(channel, self.engine, self._rebuild)
 
     def _default_spec(self, draft, kind):
         """The tree shape when none is given: the draft's measured spec_defaults for this max_batch
@@ -228,37 +242,110 @@ class LLM:
         """prompts: a string, a list of token ids, or a list of either. params: one SamplingParams for
         all, or one per prompt (a SamplingParams or a dict of its fields). A request that cannot be
         served (bad parameters, empty / too long prompt, invalid constraint) gets finish_reason "error"
-        and its reason in `error`; the others run normally."""
-        reqs = self._requests(prompts, params)
-        self.engine.run(reqs)
+        and its reason in `error`; the others run normally.
+        Several JAX processes (specjax.multihost): call it on every process; process 0's prompts and
+        params run (the others' are not used, e.g. None) and every process returns their outputs."""
+        if self._follower is not None:
+            reqs = []
+            for ev in self._follower.replay():
+                reqs += ev.added
+            self._check_end(ev)
+            return [r.output() for r in reqs]
+        with self._call():
+            reqs = self._requests(prompts, params)
+            self.engine.run(reqs)
         return [r.output() for r in reqs]
 
     def generate_stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
                         ) -> Iterator[StreamDelta]:
         """Like generate, but yields StreamDelta events as tokens arrive (one step of the engine at a
         time); each request's last event has finish_reason and output set. Closing the generator
-        early cancels the requests still running."""
-        reqs = self._requests(prompts, params)
-        index = {id(r): i for i, r in enumerate(reqs)}
-        for r in reqs:
-            self.engine.add_request(r)
-        left = set(index)
-        try:
-            while left and self.engine.has_unfinished():
-                for upd in self.engine.step():
-                    r = upd.request
-                    if id(r) not in left:
-                        continue
-                    text = r.take_text_delta()
-                    if text or upd.token_ids or r.finished:
-                        yield StreamDelta(index[id(r)], r.id, text, list(upd.token_ids), r.finish_reason, r.error,
-                                          r.output() if r.finished else None)
-                    if r.finished:
-                        left.discard(id(r))
-        finally:
+        early cancels the requests still running. Several JAX processes: like generate (every process
+        iterates; the others yield process 0's events)."""
+        if self._follower is not None:
+            yield from self._follow_stream()
+            return
+        with self._call():
+            reqs = self._requests(prompts, params)
+            index = {id(r): i for i, r in enumerate(reqs)}
             for r in reqs:
-                if not r.finished:
-                    self.engine.cancel(r.id)
+                self.engine.add_request(r)
+            left = set(index)
+            try:
+                while left and self.engine.has_unfinished():
+                    yield from _deltas(self.engine.step(), index, left)
+            finally:
+                for r in reqs:
+                    if not r.finished:
+                        self.engine.cancel(r.id)
+
+    # -- several JAX processes (specjax.multihost) -----------------------------------------------
+    @contextlib.contextmanager
+    def _call(self):
+        """One generate call of process 0; the other processes' call ends with it (and fails if it did)."""
+        error = None
+        try:
+            yield
+        except GeneratorExit:  # generate_stream closed early: its requests were cancelled
+            raise
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            if self.engine.replica is not None:
+                self.engine.replica.send("end", error)
+
+    @staticmethod
+    def _check_end(ev) -> None:
+        if ev.then == "stop":
+            raise multihost.LeaderStopped("process 0 closed its LLM (LLM.close) during a generate call")
+        if ev.error is not None:
+            raise RuntimeError(f"process 0's generate call failed: {ev.error}")
+
+    def _follow_stream(self) -> Iterator[StreamDelta]:
+        index, left = {}, set()
+        events = self._follower.replay()
+        try:
+            for ev in events:
+                for r in ev.added:
+                    index[id(r)] = len(index)
+                    left.add(id(r))
+                yield from _deltas(ev.updates, index, left)
+        finally:
+            for ev in events:  # closed early here: keep in step with process 0 to the end of its call
+                pass
+        self._check_end(ev)
+
+    def _rebuild(self, fields: dict) -> Request:
+        """A follower's copy of a request of process 0 (multihost.request_fields)."""
+        params = multihost.params_from(fields["params"])
+        req = Request(fields["id"], fields["prompt"], fields["prompt_ids"], params, self.tokenizer, self.eos_ids,
+                      self.max_seq_len, fields["seed"])
+        if fields["error"] is not None:
+            req.fail(fields["error"])
+        return req
+
+    @property
+    def process_index(self) -> int:
+        return 0 if self._follower is None else self._follower.channel.me
+
+    def follow(self) -> None:
+        """Processes other than 0: run process 0's requests (its LLM.generate calls, its AsyncLLM /
+        `specjax serve`) until process 0 calls LLM.close. On process 0 (or one process): an error."""
+        if self._follower is None:
+            raise RuntimeError("LLM.follow() is for JAX processes other than 0 (process 0 takes the requests)")
+        while True:
+            for ev in self._follower.replay():
+                pass
+            if ev.then == "stop":
+                return
+
+    def close(self) -> None:
+        """Process 0 of several: release the other processes from LLM.follow (once; the LLM then serves
+        no more requests). Also run at interpreter exit. Elsewhere: nothing to do."""
+        rep = self.engine.replica
+        if rep is not None and not rep.closed:
+            rep.send("stop")
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not self.tokenizer.chat_template:
@@ -266,8 +353,34 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def chat(self, messages, params: SamplingParams | None = None):
-        """messages: one conversation (list of {"role", "content"}) or a list of them."""
+        """messages: one conversation (list of {"role", "content"}) or a list of them. Several JAX
+        processes: like generate (the others' messages only say whether one output is returned)."""
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else messages
-        outs = self.generate([self.apply_chat_template(c) for c in convs], params)
+        outs = self.generate(None if self._follower is not None else [self.apply_chat_template(c) for c in convs],
+                             params)
         return outs[0] if single else outs
+
+
+def _deltas(updates, index: dict, left: set) -> Iterator[StreamDelta]:
+    """The StreamDeltas of one engine step's updates for the requests in `left` (by id()), which are
+    removed once finished; index: id(request) -> its position in the generate_stream call."""
+    for upd in updates:
+        r = upd.request
+        if id(r) not in left:
+            continue
+        text = r.take_text_delta()
+        if text or upd.token_ids or r.finished:
+            yield StreamDelta(index[id(r)], r.id, text, list(upd.token_ids), r.finish_reason, r.error,
+                              r.output() if r.finished else None)
+        if r.finished:
+            left.discard(id(r))
+
+
+def _close_at_exit(ref) -> None:
+    llm = ref()
+    if llm is not None:
+        try:
+            llm.close()
+        except Exception:  # noqa: BLE001 - the distributed runtime may be gone already
+            pass

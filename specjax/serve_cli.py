@@ -36,6 +36,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--grammar-timeout", type=float, default=10.0,
                      help="seconds one output constraint may take to compile before its request fails")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    mh = p.add_argument_group("multi-host (one process per host; process 0 serves HTTP, see README)")
+    mh.add_argument("--coordinator", default=os.environ.get("SPECJAX_COORDINATOR"), metavar="HOST:PORT",
+                    help="address of process 0's jax.distributed coordinator, the same on every process "
+                         "(default: $SPECJAX_COORDINATOR; unset: one process)")
+    mh.add_argument("--num-processes", type=positive_int, default=_env_int("SPECJAX_NUM_PROCESSES"), metavar="N",
+                    help="processes in the job (default: $SPECJAX_NUM_PROCESSES)")
+    mh.add_argument("--process-id", type=int, default=_env_int("SPECJAX_PROCESS_ID"), metavar="I",
+                    help="this process, 0 .. N-1; 0 takes the requests (default: $SPECJAX_PROCESS_ID)")
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") and v.strip().lstrip("-").isdigit() else None
 
 
 def resolve_speculation(a) -> str:
@@ -69,6 +82,13 @@ def _check_limits(a) -> None:
         raise UsageError(f"--grammar-timeout must be > 0, got {a.grammar_timeout}")
     if not 0 <= a.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {a.port}")
+    given = [f for f, v in (("--coordinator", a.coordinator), ("--num-processes", a.num_processes),
+                            ("--process-id", a.process_id)) if v is not None]
+    if given and len(given) < 3:
+        raise UsageError(f"multi-host needs --coordinator, --num-processes and --process-id together "
+                         f"(or $SPECJAX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID); got only {', '.join(given)}")
+    if given and not 0 <= a.process_id < a.num_processes:
+        raise UsageError(f"--process-id must be in [0, {a.num_processes - 1}], got {a.process_id}")
 
 
 def _is_loopback(host: str) -> bool:
@@ -79,19 +99,23 @@ def _is_loopback(host: str) -> bool:
 
 
 def cmd_serve(a) -> int:
-    import uvicorn
-
-    from specjax.async_llm import AsyncLLM
-    from specjax.cli import llm_from_args
+    from specjax.cli import UsageError, llm_from_args
     from specjax.machine import log_backend
-    from specjax.server import ServerConfig, build_app
-    from specjax.cli import UsageError
     try:  # argparse-style (usage, exit 2) also under `python -m specjax.cli`, whose UsageError is __main__'s
         _check_limits(a)
         mode = resolve_speculation(a)
     except UsageError as e:
         a.parser.error(str(e))
+    if a.coordinator is not None:  # before anything else touches JAX
+        from specjax import multihost
+        multihost.initialize(a.coordinator, a.num_processes, a.process_id)
     log_backend()
+    if a.process_id:
+        return _follow(a, mode)
+    import uvicorn
+
+    from specjax.async_llm import AsyncLLM
+    from specjax.server import ServerConfig, build_app
     if not _is_loopback(a.host) and a.api_key is None:
         print(f"specjax serve: warning: listening on {a.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
@@ -111,7 +135,11 @@ def cmd_serve(a) -> int:
         if not stopped.is_set():
             stopped.set()
             engine.shutdown()
+            llm.close()  # multi-host: the other processes stop following
             print("specjax serve: engine stopped", file=sys.stderr, flush=True)
+            if a.coordinator is not None:  # now, not at exit: uvicorn ends the process by re-raising the signal
+                from specjax import multihost
+                multihost.shutdown()
 
     # uvicorn shuts down gracefully on SIGINT / SIGTERM (the app's shutdown hook stops the engine), then
     # re-raises the signal, so the process ends as the signal says
@@ -120,4 +148,17 @@ def cmd_serve(a) -> int:
                     log_level=a.log_level, timeout_graceful_shutdown=5)
     finally:
         stop_engine()
+    return 0
+
+
+def _follow(a, mode: str) -> int:
+    """A process other than 0: the same LLM, running process 0's requests until process 0 stops."""
+    from specjax.cli import llm_from_args
+    llm = llm_from_args(a, num_pages=a.num_pages, seed=a.seed)
+    print(f"specjax serve: process {a.process_id} of {a.num_processes}: model {llm.model_dir} ({llm.dtype}), {mode}; "
+          f"following process 0 (which answers the requests)", file=sys.stderr, flush=True)
+    llm.follow()
+    print(f"specjax serve: process {a.process_id}: process 0 stopped; exiting", file=sys.stderr, flush=True)
+    from specjax import multihost
+    multihost.shutdown()
     return 0

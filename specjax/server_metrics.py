@@ -1,9 +1,11 @@
 """/metrics of `specjax serve` in the Prometheus text exposition format (version 0.0.4).
 
-Engine figures come from AsyncLLM.stats (written by the engine thread after each step); HTTP figures
-from the server's own counters. tau (mean tokens per speculative step, the bonus token included) is
-over finished requests. The engine has no prefix cache: specjax_prefix_cache_enabled is 0 and no hit
-rate is exported (a made-up 0 % would read as a measurement).
+Engine figures come from AsyncLLM.stats (written by the engine thread after each step; KV pages,
+prefix cache and prefill counters are the engine's own Engine.stats()); HTTP figures from the
+server's own counters. tau (mean tokens per speculative step, the bonus token included) is over
+finished requests. Ratios with nothing to measure yet (tau before a speculative step, the prefix-cache
+hit rate before a lookup) are not exported: a made-up 0 would read as a measurement. With the prefix
+cache off (--no-prefix-cache) specjax_prefix_cache_enabled is 0 and no prefix-cache series exist.
 """
 from __future__ import annotations
 
@@ -35,9 +37,23 @@ def render_metrics(llm, state) -> str:
     _family(out, "specjax_requests_running", "gauge", "Requests holding an engine slot.", [({}, s.running)])
     _family(out, "specjax_requests_waiting", "gauge", "Requests queued for a slot (queue length).",
             [({}, s.waiting)])
-    _family(out, "specjax_kv_pages_used", "gauge", "KV cache pages held by requests.", [({}, s.kv_pages_used)])
+    e = s.engine
+    _family(out, "specjax_requests_prefilling", "gauge", "Requests whose prompt is being prefilled in chunks.",
+            [({}, e["prefilling"])])
+    _family(out, "specjax_kv_pages_used", "gauge",
+            "KV cache pages held by requests (a page shared through the prefix cache counts once).",
+            [({}, s.kv_pages_used)])
     _family(out, "specjax_kv_pages_total", "gauge", "KV cache pages that requests can hold.",
             [({}, s.kv_pages_total)])
+    _family(out, "specjax_kv_pages_cached", "gauge",
+            "KV cache pages no request holds, kept for prefix-cache reuse (free: evicted when needed).",
+            [({}, e["pages_cached"])])
+    _family(out, "specjax_prefill_tokens_total", "counter",
+            "Tokens prefilled (prompts; prompt + output again after a preemption), not counting those whose KV "
+            "came from the prefix cache.",
+            [({}, e["prefill_tokens"])])
+    _family(out, "specjax_preemptions_total", "counter", "Requests preempted (KV pages ran out; resumed later).",
+            [({}, e["num_preempted"])])
     _family(out, "specjax_speculative", "gauge", "1 if the engine decodes speculatively.",
             [({}, int(llm.speculative))])
     if llm.speculative:
@@ -48,6 +64,20 @@ def render_metrics(llm, state) -> str:
             _family(out, "specjax_spec_tau", "gauge",
                     "Mean acceptance length: tokens per speculative step (bonus token included).",
                     [({}, f"{s.spec_tokens / s.spec_steps:.4f}")])
-    _family(out, "specjax_prefix_cache_enabled", "gauge",
-            "0: this engine has no prefix cache, so no prefix-cache hit rate is exported.", [({}, 0)])
+    enabled = bool(e["prefix_cache"])
+    _family(out, "specjax_prefix_cache_enabled", "gauge", "1 if prompt prefixes reuse cached KV pages.",
+            [({}, int(enabled))])
+    if enabled:
+        for key, help_text in (
+                ("queries", "Admissions that looked up their prompt's prefix."),
+                ("hits", "Admissions that reused at least one cached page."),
+                ("queried_tokens", "Tokens of the looked-up prompts."),
+                ("hit_tokens", "Prompt tokens whose KV came from the prefix cache."),
+                ("evictions", "Cached pages evicted to make room.")):
+            _family(out, f"specjax_prefix_cache_{key}_total", "counter", help_text,
+                    [({}, e[f"prefix_cache_{key}"])])
+        if e["prefix_cache_queried_tokens"]:
+            _family(out, "specjax_prefix_cache_hit_rate", "gauge",
+                    "Prefix-cache hit rate: hit tokens / looked-up tokens.",
+                    [({}, f"{e['prefix_cache_hit_rate']:.4f}")])
     return "\n".join(out) + "\n"

@@ -19,7 +19,7 @@ layout it went in with and the next call reuses the same executable.
 
 KV heads are never replicated: a model whose num_kv_heads is not divisible by tp is refused
 (check_divisible). The vocabulary falls back to replication when it is not divisible
-(resolve_rules).
+(resolve_rules; model_rules also looks at the parameters, e.g. an EAGLE-3 head's draft vocabulary).
 
 Multi-host: the same code path. Every host runs the same program and calls
 jax.distributed.initialize() before anything else touches JAX, then builds make_mesh(tp) over
@@ -105,6 +105,20 @@ def resolve_rules(cfg, tp: int, rules: Rules | None = None) -> Rules:
     return rules
 
 
+def model_rules(model: nnx.Module, cfg, tp: int) -> Rules:
+    """resolve_rules(cfg, tp) for a model whose vocabulary-axis parameters may be narrower than
+    cfg.vocab_size (an EAGLE-3 head's reduced draft vocabulary): the vocabulary is replicated unless
+    tp divides every one of them."""
+    rules = resolve_rules(cfg, tp)
+    if rules.get("vocab"):
+        for _, var in nnx.iter_graph(model):
+            if isinstance(var, nnx.Param):
+                axes = var.get_metadata().get("logical_axes") or ()
+                if any(ax == "vocab" and n % tp for ax, n in zip(axes, var.shape)):
+                    rules["vocab"] = None
+    return rules
+
+
 def spec_for(axes: tuple, shape: tuple[int, ...], mesh: Mesh, rules: Rules, what: str = "array") -> PartitionSpec:
     """PartitionSpec of an array with logical `axes`; ValueError naming `what` if a dim does not divide."""
     if len(axes) != len(shape):
@@ -153,8 +167,13 @@ def param_shardings(model_or_state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
-    """Place the model's parameters on the mesh (in place; returns the model)."""
+    """Place the model's parameters on the mesh (in place; returns the model). A mesh over several
+    processes: parameters held by this process alone (e.g. a draft head loaded on every process) go
+    through the host (each process gives the same values; device_put does not replicate a local
+    device array onto other processes' devices)."""
     state = nnx.state(model, nnx.Param)
+    if jax.process_count() > 1:
+        state = jax.tree.map(lambda x: np.asarray(x) if getattr(x, "is_fully_addressable", False) else x, state)
     nnx.update(model, jax.device_put(state, param_shardings(state, mesh, rules)))
     return model
 

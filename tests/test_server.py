@@ -277,7 +277,13 @@ def test_metrics_and_nothing_leaked(env):
     assert values["specjax_generation_tokens_total"] == engine.stats.generation_tokens > NUM_CLIENTS * MAX_TOKENS
     assert values['specjax_requests_finished_total{finish_reason="cancelled"}'] >= 3
     assert values['specjax_http_responses_total{route="/v1/chat/completions",code="400"}'] >= len(BAD)
-    assert values["specjax_prefix_cache_enabled"] == 0 and "specjax_prefix_cache_hit_rate" not in text
     eng = engine.engine
+    st = eng.stats()  # the engine's own figures (idle: as of its last step); the 32 chats share the system prompt
+    assert values["specjax_prefix_cache_enabled"] == 1 and st["prefix_cache_hits"] > 0
+    for key in ("queries", "hits", "queried_tokens", "hit_tokens", "evictions"):
+        assert values[f"specjax_prefix_cache_{key}_total"] == st[f"prefix_cache_{key}"], key
+    assert values["specjax_prefix_cache_hit_rate"] == pytest.approx(st["prefix_cache_hit_rate"], abs=1e-4)
+    assert values["specjax_kv_pages_cached"] == st["pages_cached"] > 0
+    assert values["specjax_prefill_tokens_total"] == st["prefill_tokens"]
     assert not eng.has_unfinished() and all(s is None for s in eng.slots)
     assert sum(map(len, eng.alloc.owned)) == 0 and eng.alloc.num_free == values["specjax_kv_pages_total"]

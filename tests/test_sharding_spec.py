@@ -71,3 +71,18 @@ def test_llm_tensor_parallel_smollm2():
     assert [o.token_ids for o in got] == [o.token_ids for o in one]
     w = tp3.engine.weights[0]
     assert len(w.sharding.device_set) == 3
+
+
+def test_eagle3_head_with_a_draft_vocabulary_tp_does_not_divide():
+    """The shipped SmolLM2 head has 16384 draft tokens, which TP 3 does not divide: its vocabulary
+    axis is replicated (the target's 49152 is split), instead of failing to shard."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    cfg = config("gqa")
+    mesh = sharding.make_mesh(2)
+    for vd, vocab_rule in ((64, sharding.AXIS), (63, None)):
+        head, ecfg = random_head(cfg, "eagle3", draft_vocab=vd, aux_layers=(0, 1, 2), heads=4, kv_heads=2)
+        rules = sharding.model_rules(head, ecfg.layer, 2)
+        assert rules["vocab"] == vocab_rule and sharding.resolve_rules(ecfg.layer, 2)["vocab"] == sharding.AXIS
+        sharding.shard_model(head, mesh, rules)
+        assert head.lm_head[...].sharding.spec == jax.sharding.PartitionSpec(None, vocab_rule)
