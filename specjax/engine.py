@@ -26,6 +26,13 @@ decoding dispatches the target forward over the tree of t+1 first (it depends on
 state), reads t and computes the tree masks while that runs, then dispatches acceptance + drafting
 with the masks (SchedulerOptions(overlap=False): masks first, then the fused step with masks).
 Batches without grammars run the fused speculative step.
+
+Grammar drafts (specjax.grammar_drafts; SchedulerOptions(grammar_drafts=True), a draft model or head):
+with the tree masks the host also computes the grammar's continuation after each node of each
+constrained row's tree ([B, N, S + 1] int32, -1 for unconstrained rows), and after the prompt for a
+prefill ([B, 1, S + 1]); the accept + draft program puts the continuation after the accepted node
+into the next tree. Unconstrained batches compile and run without it; with grammar drafts off the
+arrays are all -1 (the same programs, the draft's own trees).
 """
 from __future__ import annotations
 
@@ -432,9 +439,10 @@ class Engine:
         if firsts:
             self._admit_slots(firsts)
         samplers = [(pc.slot, pc.req if pc.final else None) for pc in pieces]  # rows whose sample is used
-        mask = None
+        mask = drafts = None
         if any(r is not None and r.grammar is not None for _, r in samplers):
             mask = self._next_masks(samplers, B)
+            drafts = self._prompt_drafts(samplers, B, mask)
         flags = self._flags([r for _, r in samplers if r is not None])
         rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
         if self.draft is None:
@@ -442,7 +450,7 @@ class Engine:
                                                                    mask, **flags)
         else:
             out, trees, self.state, self.samp = self.spec_steps.prefill(
-                self.weights, self.draft_weights, self.state, self.samp, rows, samp, mask, **flags)
+                self.weights, self.draft_weights, self.state, self.samp, rows, samp, mask, drafts, **flags)
         finals = [(b, pc.slot, pc.req) for b, pc in enumerate(pieces) if pc.final]
         if finals:  # a call of unfinished prefills only has nothing to read
             self._push("prefill", out, trees, finals, 0)
@@ -483,8 +491,9 @@ class Engine:
         mask = None if masks is None else masks(rows, len(slots))
         flags = self._flags([r for _, r in rows])
         if self.draft is not None:
+            drafts = None if mask is None else self._grammar_drafts(rows, len(slots), mask)
             out, trees, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state, self.samp,
-                                                          slots, active, mask, **flags)
+                                                          slots, active, mask, drafts, **flags)
             return self._push("spec", out, trees, _indexed(rows), self.draft.spec.num_steps + 1)
         spc = self.batch_opts.steps_per_call
         K = 1 if mask is not None else min(spc, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, spc))
@@ -498,8 +507,9 @@ class Engine:
             verified, self.state = self.spec_steps.verify(self.weights, self.state, slots, active)
             self._collect()  # step t (and prefills): tokens for the matchers, the trees being verified
             mask = self._tree_masks(rows, len(slots))
+            drafts = self._grammar_drafts(rows, len(slots), mask)
             out, trees, self.state = self.spec_steps.finish(self.weights, self.draft_weights, self.state, verified,
-                                                            self.samp, slots, active, mask,
+                                                            self.samp, slots, active, mask, drafts,
                                                             **self._flags([r for _, r in rows]))
             return self._push("spec", out, trees, _indexed(rows), self.draft.spec.num_steps + 1)
         self._collect()
@@ -523,6 +533,36 @@ class Engine:
             if req.grammar is not None and not req.finished:
                 mask[b] = req.grammar.tree_masks(*req.tree)
         return mask
+
+    def _drafting(self) -> bool:
+        """A draft model or head grows the trees (the n-gram drafter takes no grammar drafts)."""
+        return self.draft is not None and self.draft.info.has_model
+
+    def _grammar_drafts(self, rows, B: int, mask: np.ndarray) -> np.ndarray | None:
+        """[B, N, S + 1] the grammar's continuation after each node of each row's next tree (-1: none;
+        mask: the rows' tree masks [B, N, W]). SchedulerOptions(grammar_drafts=False): all -1 (the
+        same programs run, the trees are the draft's own)."""
+        if not self._drafting():
+            return None
+        from specjax.grammar_drafts import tree_drafts
+        S = self.draft.spec.num_steps
+        out = np.full((B, self.draft.spec.num_nodes, S + 1), -1, np.int32)
+        for b, (_, req) in enumerate(rows):
+            if self.opts.grammar_drafts and req.grammar is not None and not req.finished:
+                out[b] = tree_drafts(req.grammar, *req.tree, S + 1, masks=mask[b])
+        return out
+
+    def _prompt_drafts(self, rows, B: int, mask: np.ndarray) -> np.ndarray | None:
+        """[B, 1, S + 1] the grammar's continuation after each prefill row's sequence (rows: (slot,
+        request or None); mask: their next-token masks [B, W]); all -1 with grammar drafts off."""
+        if not self._drafting():
+            return None
+        from specjax.grammar_drafts import continuation
+        out = np.full((B, 1, self.draft.spec.num_steps + 1), -1, np.int32)
+        for b, (_, req) in enumerate(rows):
+            if self.opts.grammar_drafts and req is not None and req.grammar is not None and not req.finished:
+                continuation(req.grammar, out.shape[2], mask[b], out[b, 0])
+        return out
 
     def _width(self) -> int:
         return (self.cfg.vocab_size + 31) // 32
