@@ -15,6 +15,8 @@ Flow for one request:
   (:meth:`RequestGrammar.next_mask`) or, for speculative decoding, for one mask per node of a
   draft tree (:meth:`RequestGrammar.tree_masks`).
 * :func:`apply_bitmask` (pure ``jnp``) sets the logits of disallowed tokens to ``-inf``.
+* specjax.grammar_drafts walks the matcher (:attr:`RequestGrammar.matcher`) for the text the
+  grammar fixes, spelled with the compiler's token table (:attr:`GrammarCompiler.token_table`).
 
 Once the grammar is finished and a stop token was accepted, the request is over; masks computed
 from that state allow the stop tokens only, so a bonus token sampled there is a stop token too.

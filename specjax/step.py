@@ -34,6 +34,14 @@ tokens x_0 .. x_L (SpecState.history; admission (admit_slots) writes the whole p
 prefill piece the first token, each step appends its emitted tokens) and the next tree is looked up in them; draft_kv is empty and
 draft_seq_lens unused. Its drafts are point masses (draft_probs None).
 
+Grammar drafts (specjax.grammar_drafts; constrained batches): the host passes the grammar's
+continuation after each node of the verified tree ([B, N, S + 1] int32, -1 padded; after the prompt
+for a prefill). grammar_levels takes the one after the accepted node where it starts with the bonus
+token, and _grow forces those tokens as the first levels of the next tree: a chain's tokens (their
+proposal in draft_probs the one-hot), or a tree level's only candidate (candidate 0, score 0; the
+other candidates of the level are displaced to score -1e30). The draft is fed them as its own
+tokens, so later levels continue from them. Point-mass proposals keep verification exact.
+
 Penalties (SpecState.penalties set; specjax.penalties): acceptance sees the target's logits after
 each node penalised with the slot's counts plus the tokens on the node's path, i.e. exactly what
 plain decoding would sample from, so speculation stays lossless; the emitted tokens are counted
