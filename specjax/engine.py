@@ -442,7 +442,7 @@ class Engine:
         mask = drafts = None
         if any(r is not None and r.grammar is not None for _, r in samplers):
             mask = self._next_masks(samplers, B)
-            drafts = self._prompt_drafts(samplers, B, mask)
+            drafts = self._grammar_drafts([(b, r) for b, (_, r) in enumerate(samplers)], B, tree=False)
         flags = self._flags([r for _, r in samplers if r is not None])
         rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
         if self.draft is None:
@@ -491,7 +491,7 @@ class Engine:
         mask = None if masks is None else masks(rows, len(slots))
         flags = self._flags([r for _, r in rows])
         if self.draft is not None:
-            drafts = None if mask is None else self._grammar_drafts(rows, len(slots), mask)
+            drafts = None if mask is None else self._grammar_drafts(list(enumerate(r for _, r in rows)), len(slots))
             out, trees, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state, self.samp,
                                                           slots, active, mask, drafts, **flags)
             return self._push("spec", out, trees, _indexed(rows), self.draft.spec.num_steps + 1)
@@ -507,7 +507,7 @@ class Engine:
             verified, self.state = self.spec_steps.verify(self.weights, self.state, slots, active)
             self._collect()  # step t (and prefills): tokens for the matchers, the trees being verified
             mask = self._tree_masks(rows, len(slots))
-            drafts = self._grammar_drafts(rows, len(slots), mask)
+            drafts = self._grammar_drafts(list(enumerate(r for _, r in rows)), len(slots))
             out, trees, self.state = self.spec_steps.finish(self.weights, self.draft_weights, self.state, verified,
                                                             self.samp, slots, active, mask, drafts,
                                                             **self._flags([r for _, r in rows]))
@@ -534,34 +534,30 @@ class Engine:
                 mask[b] = req.grammar.tree_masks(*req.tree)
         return mask
 
-    def _drafting(self) -> bool:
-        """A draft model or head grows the trees (the n-gram drafter takes no grammar drafts)."""
-        return self.draft is not None and self.draft.info.has_model
-
-    def _grammar_drafts(self, rows, B: int, mask: np.ndarray) -> np.ndarray | None:
-        """[B, N, S + 1] the grammar's continuation after each node of each row's next tree (-1: none;
-        mask: the rows' tree masks [B, N, W]). SchedulerOptions(grammar_drafts=False): all -1 (the
-        same programs run, the trees are the draft's own)."""
-        if not self._drafting():
+    def _grammar_drafts(self, rows, B: int, tree: bool = True) -> np.ndarray | None:
+        """The grammar's continuations (specjax.grammar_drafts) for rows [(batch row, request or None)]
+        of a batch of B rows: after each node of the row's next tree ([B, N, S + 1]), or (tree False)
+        after its sequence, for a prefill ([B, 1, S + 1]); -1 where there is none. None without a
+        draft model or head (the n-gram drafter takes none). SchedulerOptions(grammar_drafts=False):
+        all -1 (the same programs run, the trees are the draft's own)."""
+        if self.draft is None or not self.draft.info.has_model:
             return None
-        from specjax.grammar_drafts import tree_drafts
+        from specjax.grammar_drafts import continuation, tree_drafts
         S = self.draft.spec.num_steps
-        out = np.full((B, self.draft.spec.num_nodes, S + 1), -1, np.int32)
-        for b, (_, req) in enumerate(rows):
-            if self.opts.grammar_drafts and req.grammar is not None and not req.finished:
-                out[b] = tree_drafts(req.grammar, *req.tree, S + 1, masks=mask[b])
-        return out
-
-    def _prompt_drafts(self, rows, B: int, mask: np.ndarray) -> np.ndarray | None:
-        """[B, 1, S + 1] the grammar's continuation after each prefill row's sequence (rows: (slot,
-        request or None); mask: their next-token masks [B, W]); all -1 with grammar drafts off."""
-        if not self._drafting():
-            return None
-        from specjax.grammar_drafts import continuation
-        out = np.full((B, 1, self.draft.spec.num_steps + 1), -1, np.int32)
-        for b, (_, req) in enumerate(rows):
-            if self.opts.grammar_drafts and req is not None and req.grammar is not None and not req.finished:
-                continuation(req.grammar, out.shape[2], mask[b], out[b, 0])
+        out = np.full((B, self.draft.spec.num_nodes if tree else 1, S + 1), -1, np.int32)
+        if not self.opts.grammar_drafts:
+            return out
+        for b, req in rows:
+            if req is None or req.grammar is None or req.finished:
+                continue
+            try:
+                if tree:
+                    out[b] = tree_drafts(req.grammar, *req.tree, S + 1)
+                else:
+                    continuation(req.grammar, S + 1, out=out[b, 0])
+            except Exception as e:  # noqa: BLE001 - drafts are optional: the row's trees stay the draft's
+                out[b] = -1
+                log.warning("grammar drafts of request %s skipped this step: %s: %s", req.id, type(e).__name__, e)
         return out
 
     def _width(self) -> int:

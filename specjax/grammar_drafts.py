@@ -77,7 +77,9 @@ def _single(mask: np.ndarray) -> int | None:
 
 def _next_token(grammar: RequestGrammar, table: TokenTable, mask: np.ndarray | None, scratch: np.ndarray) -> int | None:
     """The next token of the continuation from the matcher's state, accepted into the matcher (a
-    stop token is returned unaccepted); None: a free choice. mask: the state's [W] mask if known."""
+    stop token is returned unaccepted); None: a free choice. mask: the state's [W] mask if known
+    (otherwise one is filled only where the grammar may end, to see whether a stop token is all it
+    allows: elsewhere a single allowed token spells a prefix of the jump-forward string)."""
     m = grammar.matcher
     jump = m.find_jump_forward_string()
     if jump:
@@ -85,7 +87,9 @@ def _next_token(grammar: RequestGrammar, table: TokenTable, mask: np.ndarray | N
             if m.accept_token(t):
                 return t
     if mask is None:
-        m.fill_next_token_bitmask(scratch)
+        if not m.is_completed():  # nothing fixed: a free choice (one allowed token spells the jump string)
+            return None
+        m.fill_next_token_bitmask(scratch)  # the grammar may end here: maybe only the stop token is allowed
         mask = scratch
     t = _single(mask)
     if t is None or t in grammar.stop_token_ids:
