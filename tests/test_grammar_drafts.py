@@ -301,3 +301,34 @@ def test_chi2_rejects_grammar_tokens_with_the_drafts_proposal(small, masked_logi
     samples, placed, _ = _grammar_samples(small, CHAIN, 1.0, 2000)
     pval, _, _ = _chi2(samples, _masked_law(masked_logits, 1.0))
     assert placed > 200 and pval < 1e-6, pval
+
+
+def test_engine_drafts_skip_a_grammar_that_raises(small, caplog):
+    """A row whose grammar walk raises gets no drafts (a warning says so); the other rows keep theirs;
+    grammar drafts off: all -1; the n-gram drafter: none."""
+    import dataclasses
+    import logging
+    from types import SimpleNamespace
+    from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
+    from specjax.scheduler import SchedulerOptions
+    cfg, target, _, compiler = small
+    eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=32), BatchOptions(max_batch=2), jnp.float32,
+                 draft=Draft(target, cfg, DraftInfo("draft"), CHAIN), grammar=compiler)
+    key = SamplingParams(regex="abcd").constraint
+
+    class Broken:
+        is_terminated = False
+
+        def __getattr__(self, name):
+            raise RuntimeError("matcher state lost")
+
+    ok = SimpleNamespace(id=0, grammar=compiler.matcher(key, [S_EOS]), finished=False)
+    bad = SimpleNamespace(id=1, grammar=Broken(), finished=False)
+    with caplog.at_level(logging.WARNING, logger="specjax"):
+        got = eng._grammar_drafts([(0, ok), (1, bad)], 2, tree=False)
+    assert got[:, 0].tolist() == [[0, 1, 4], [-1, -1, -1]]  # a, b, cd (num_steps + 1 = 3 tokens)
+    assert "request 1" in caplog.text and "matcher state lost" in caplog.text
+    eng.opts = SchedulerOptions(grammar_drafts=False)
+    assert (eng._grammar_drafts([(0, ok)], 2, tree=False) == -1).all()
+    eng.draft = dataclasses.replace(eng.draft, info=DraftInfo("ngram"))
+    assert eng._grammar_drafts([(0, ok)], 2, tree=False) is None
