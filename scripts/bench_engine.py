@@ -16,13 +16,17 @@ compile, then again measuring, in that one run:
 
 Grammars: "any" is a permissive regex (every token allowed, the tokens equal the unconstrained
 run's, so the difference is pure overhead: mask computation, upload, split programs); "json" is a
-nested JSON schema (real masks; acceptance differs from free text). Goals checked: bubble <= 2% of
-wall time for the async scenarios; constrained >= 0.97x unconstrained tokens/s.
+nested JSON schema (real masks; acceptance differs from free text), with grammar drafts (the text
+the schema fixes drafted by the host: specjax.grammar_drafts) and without ("no-drafts"). Goals
+checked: bubble <= 2% of wall time for the async scenarios; constrained >= 0.97x unconstrained
+tokens/s; JSON tau (accepted tokens per step) >= 0.8x the unconstrained tau.
 
     python scripts/bench_engine.py                      # SmolLM2 with its shipped EAGLE-3 head
     python scripts/bench_engine.py --draft self --batch 1,32 --max-tokens 256 --json out.jsonl
     python scripts/bench_engine.py --model DIR --draft self --dtype float32 --batch 2 --max-tokens 24 \
         --scenarios "spec fused,plain"                  # a CPU smoke run on a small model
+    python scripts/bench_engine.py --dtype float32 --batch 1 --max-tokens 48 --no-plain \
+        --scenarios "spec fused,spec json overlap,spec json no-drafts"   # tau with / without grammar drafts
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ TOPICS = ["a lighthouse keeper", "a robot chef", "a lost city", "the first moon 
           "a haunted library", "a desert caravan", "an ocean research ship"]
 ASYNC, SYNC = SchedulerOptions(), SchedulerOptions(async_loop=False)
 NO_OVERLAP = SchedulerOptions(overlap=False)
+NO_DRAFTS = SchedulerOptions(grammar_drafts=False)  # the trees are the draft's alone (specjax.grammar_drafts)
 
 
 def prompts_for(llm, n):
@@ -189,7 +194,7 @@ def main(argv=None) -> int:
     llm = LLM(a.model, dtype=a.dtype, max_batch=max(batches), max_seq_len=a.max_seq_len, draft=draft, spec=spec)
     plans = [("spec fused", None, ASYNC), ("spec fused sync", None, SYNC), ("spec any overlap", "any", ASYNC),
              ("spec any no-overlap", "any", NO_OVERLAP), ("spec json overlap", "json", ASYNC),
-             ("spec json no-overlap", "json", NO_OVERLAP)]
+             ("spec json no-drafts", "json", NO_DRAFTS), ("spec json no-overlap", "json", NO_OVERLAP)]
     plain = [("plain", None, ASYNC), ("plain any", "any", ASYNC), ("plain json", "json", ASYNC)]
     if a.scenarios:
         wanted = a.scenarios.split(",")
@@ -234,6 +239,13 @@ def main(argv=None) -> int:
             good = ratio >= 0.97
             ok &= good
             print(f"goal B={B} {name}: {ratio:.3f}x unconstrained tok/s >= 0.97x: {'PASS' if good else 'FAIL'}")
+        if "spec json overlap" in by and "spec fused" in by:  # acceptance under the schema, same head and prompts
+            tau, free = by["spec json overlap"]["accept_len_mean"], by["spec fused"]["accept_len_mean"]
+            good = tau >= 0.8 * free
+            ok &= good
+            without = by.get("spec json no-drafts", {}).get("accept_len_mean", float("nan"))
+            print(f"goal B={B} spec json overlap: tau {tau:.2f} = {tau / free:.2f}x unconstrained tau {free:.2f} "
+                  f">= 0.8x (without grammar drafts: {without:.2f}): {'PASS' if good else 'FAIL'}")
     return 0 if ok else 1
 
 

@@ -177,8 +177,8 @@ class AsyncLLM:
         if req.params.constraint is not None:
             from specjax.grammar import GrammarError, RequestGrammar
             try:
-                compiled = await asyncio.to_thread(self._compile, req.params.constraint)
-                req.grammar = RequestGrammar(compiled, list(req.eos_ids) or None)
+                compiled, table = await asyncio.to_thread(self._compile, req.params.constraint)
+                req.grammar = RequestGrammar(compiled, list(req.eos_ids) or None, token_table=table)
             except (GrammarError, ValueError) as e:
                 raise RequestError(str(e)) from None
         stream = RequestStream(req, asyncio.get_running_loop(), self._inbox)
@@ -204,12 +204,15 @@ class AsyncLLM:
             return self._grammar
 
     def _compile(self, key):
-        return self._compiler().compile(key)
+        """(compiled grammar, the vocabulary's token table for grammar drafts)."""
+        compiler = self._compiler()
+        return compiler.compile(key), compiler.token_table
 
     def start_grammar_worker(self) -> None:
         """Build the tokenizer's grammar tables and start the compile worker now rather than on the
         first constrained request (blocking: a server calls it in a thread at start)."""
         self._compiler().start()
+        self._compiler().token_table  # noqa: B018 - built now, not on the first request
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread (requests still running end with an error) and the grammar worker."""

@@ -30,6 +30,13 @@ decoding dispatches the target forward over the tree of t+1 first (it depends on
 state), reads t and computes the tree masks while that runs, then dispatches acceptance + drafting
 with the masks (SchedulerOptions(overlap=False): masks first, then the fused step with masks).
 Batches without grammars run the fused speculative step.
+
+Grammar drafts (specjax.grammar_drafts; SchedulerOptions(grammar_drafts=True), a draft model or head):
+with the tree masks the host also computes the grammar's continuation after each node of each
+constrained row's tree ([B, N, S + 1] int32, -1 for unconstrained rows), and after the prompt for a
+prefill ([B, 1, S + 1]); the accept + draft program puts the continuation after the accepted node
+into the next tree. Unconstrained batches compile and run without it; with grammar drafts off the
+arrays are all -1 (the same programs, the draft's own trees).
 """
 from __future__ import annotations
 
@@ -447,9 +454,10 @@ class Engine:
         if firsts:
             self._admit_slots(firsts)
         samplers = [(pc.slot, pc.req if pc.final else None) for pc in pieces]  # rows whose sample is used
-        mask = None
+        mask = drafts = None
         if any(r is not None and r.grammar is not None for _, r in samplers):
             mask = self._next_masks(samplers, B)
+            drafts = self._grammar_drafts([(b, r) for b, (_, r) in enumerate(samplers)], B, tree=False)
         flags = self._flags([r for _, r in samplers if r is not None])
         rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
         if self.draft is None:
@@ -457,7 +465,7 @@ class Engine:
                                                                    mask, **flags)
         else:
             out, trees, self.state, self.samp = self.spec_steps.prefill(
-                self.weights, self.draft_weights, self.state, self.samp, rows, samp, mask, **flags)
+                self.weights, self.draft_weights, self.state, self.samp, rows, samp, mask, drafts, **flags)
         finals = [(b, pc.slot, pc.req) for b, pc in enumerate(pieces) if pc.final]
         if finals:  # a call of unfinished prefills only has nothing to read
             self._push("prefill", out, trees, finals, 0)
@@ -499,11 +507,13 @@ class Engine:
         flags = self._flags([r for _, r in rows])
         if self.draft is not None:
             per_step = self.draft.spec.num_steps + 1
-            # up to spec_steps_per_call steps (one program: the device loop ends when every row finished)
+            # up to spec_steps_per_call steps (one program: the device loop ends when every row finished);
+            # a grammar batch: one step, with the rows' grammar drafts
             K = 1 if mask is not None else self.batch_opts.spec_steps_per_call
+            drafts = None if mask is None else self._grammar_drafts(list(enumerate(r for _, r in rows)), len(slots))
             out, trees, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state, self.samp,
                                                           slots, active, mask, self._stop_rows(rows, len(slots)),
-                                                          num_steps=K, **flags)
+                                                          drafts, num_steps=K, **flags)
             return self._push("spec", out, trees, _indexed(rows), K * per_step)
         spc = self.batch_opts.steps_per_call
         K = 1 if mask is not None else min(spc, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, spc))
@@ -529,8 +539,9 @@ class Engine:
             verified, self.state = self.spec_steps.verify(self.weights, self.state, slots, active)
             self._collect()  # step t (and prefills): tokens for the matchers, the trees being verified
             mask = self._tree_masks(rows, len(slots))
+            drafts = self._grammar_drafts(list(enumerate(r for _, r in rows)), len(slots))
             out, trees, self.state = self.spec_steps.finish(self.weights, self.draft_weights, self.state, verified,
-                                                            self.samp, slots, active, mask,
+                                                            self.samp, slots, active, mask, drafts,
                                                             **self._flags([r for _, r in rows]))
             return self._push("spec", out, trees, _indexed(rows), self.draft.spec.num_steps + 1)
         self._collect()
@@ -554,6 +565,32 @@ class Engine:
             if req.grammar is not None and not req.finished:
                 mask[b] = req.grammar.tree_masks(*req.tree)
         return mask
+
+    def _grammar_drafts(self, rows, B: int, tree: bool = True) -> np.ndarray | None:
+        """The grammar's continuations (specjax.grammar_drafts) for rows [(batch row, request or None)]
+        of a batch of B rows: after each node of the row's next tree ([B, N, S + 1]), or (tree False)
+        after its sequence, for a prefill ([B, 1, S + 1]); -1 where there is none. None without a
+        draft model or head (the n-gram drafter takes none). SchedulerOptions(grammar_drafts=False):
+        all -1 (the same programs run, the trees are the draft's own)."""
+        if self.draft is None or not self.draft.info.has_model:
+            return None
+        from specjax.grammar_drafts import continuation, tree_drafts
+        S = self.draft.spec.num_steps
+        out = np.full((B, self.draft.spec.num_nodes if tree else 1, S + 1), -1, np.int32)
+        if not self.opts.grammar_drafts:
+            return out
+        for b, req in rows:
+            if req is None or req.grammar is None or req.finished:
+                continue
+            try:
+                if tree:
+                    out[b] = tree_drafts(req.grammar, *req.tree, S + 1)
+                else:
+                    continuation(req.grammar, S + 1, out=out[b, 0])
+            except Exception as e:  # noqa: BLE001 - drafts are optional: the row's trees stay the draft's
+                out[b] = -1
+                log.warning("grammar drafts of request %s skipped this step: %s: %s", req.id, type(e).__name__, e)
+        return out
 
     def _width(self) -> int:
         return (self.cfg.vocab_size + 31) // 32

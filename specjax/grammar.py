@@ -15,6 +15,8 @@ Flow for one request:
   (:meth:`RequestGrammar.next_mask`) or, for speculative decoding, for one mask per node of a
   draft tree (:meth:`RequestGrammar.tree_masks`).
 * :func:`apply_bitmask` (pure ``jnp``) sets the logits of disallowed tokens to ``-inf``.
+* specjax.grammar_drafts walks the matcher (:attr:`RequestGrammar.matcher`) for the text the
+  grammar fixes, spelled with the compiler's token table (:attr:`GrammarCompiler.token_table`).
 
 Once the grammar is finished and a stop token was accepted, the request is over; masks computed
 from that state allow the stop tokens only, so a bonus token sampled there is a stop token too.
@@ -200,6 +202,16 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.num_compiled = 0  # compilations done (cache misses)
+        self._token_table = None
+
+    @property
+    def token_table(self):
+        """The vocabulary's tokens by their bytes (specjax.grammar_drafts.TokenTable), built on first use."""
+        with self._lock:
+            if self._token_table is None:
+                from specjax.grammar_drafts import TokenTable
+                self._token_table = TokenTable(self.tokenizer_info)
+            return self._token_table
 
     def compile(self, key: Constraint):
         """The compiled grammar (xgrammar.CompiledGrammar) of a constraint key; GrammarError if invalid."""
@@ -221,7 +233,7 @@ class GrammarCompiler:
 
     def matcher(self, key: Constraint, stop_token_ids: Sequence[int] | None = None) -> RequestGrammar:
         """A fresh RequestGrammar for a constraint key."""
-        return RequestGrammar(self.compile(key), stop_token_ids)
+        return RequestGrammar(self.compile(key), stop_token_ids, token_table=self.token_table)
 
 
 # ----------------------------------------------------------------------------- per-request state
@@ -260,10 +272,14 @@ class RequestGrammar:
     The matcher's state is "after the last accepted token". ``stop_token_ids`` (the request's EOS
     ids) end the grammar; None keeps the compiler's. Rollback is unlimited in xgrammar 0.2.8
     (its ``max_rollback_tokens`` is deprecated and only warns), so tree traversals need no setting.
+    ``token_table``: the vocabulary's tokens by their bytes, for grammar drafts
+    (specjax.grammar_drafts; None: built from the tokenizer on first use).
     """
 
-    def __init__(self, compiled, stop_token_ids: Sequence[int] | None = None):
+    def __init__(self, compiled, stop_token_ids: Sequence[int] | None = None, token_table=None):
         xg = _xg()
+        self.tokenizer_info = compiled.tokenizer_info
+        self.token_table = token_table
         self.vocab_size = compiled.tokenizer_info.vocab_size
         self.width = bitmask_width(self.vocab_size)
         stops = [int(t) for t in stop_token_ids] if stop_token_ids else None
@@ -273,6 +289,12 @@ class RequestGrammar:
         self.stop_token_ids = tuple(int(t) for t in self._matcher.stop_token_ids)
         self._stop_mask = mask_of_tokens(self.stop_token_ids, self.vocab_size)  # [W]
         self.num_accepted = 0
+
+    @property
+    def matcher(self):
+        """The xgrammar.GrammarMatcher (state after the last accepted token); walks that accept
+        tokens must roll them back."""
+        return self._matcher
 
     @property
     def is_terminated(self) -> bool:

@@ -64,6 +64,7 @@ class BoundedGrammarCompiler:
             raise ValueError(f"grammar timeout must be > 0 seconds, got {timeout!r}")
         local = GrammarCompiler(tokenizer, vocab_size, stop_token_ids=list(stop_token_ids) or None)
         self.tokenizer_info = local.tokenizer_info
+        self._local = local  # its token table serves the requests' grammar drafts
         self.vocab_size = vocab_size
         self.timeout = timeout
         self._info_json = self.tokenizer_info.serialize_json()
@@ -75,6 +76,11 @@ class BoundedGrammarCompiler:
         self.num_timeouts = 0
         self.num_compiled = 0
         self.last_compile_s: float | None = None
+
+    @property
+    def token_table(self):
+        """The vocabulary's tokens by their bytes (specjax.grammar_drafts), built on first use."""
+        return self._local.token_table
 
     def start(self) -> None:
         """Start the child now (otherwise on the first job); blocks until it is ready."""

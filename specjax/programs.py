@@ -14,6 +14,11 @@ row has finished) and split (`verify` | `finish`) so that a grammar batch can co
 the target forward runs. `verify` donates the state and hands it back with the tree's K/V written
 (no copy of the cache); `finish` takes it with the logits and the masks.
 
+Grammar rows may also pass `drafts` (prefill: [B, 1, S + 1], step / finish: [B, N, S + 1] int32):
+the grammar's continuation after the prompt / after each node of the verified tree, which the
+programs draft into the next tree (specjax.grammar_drafts). None (no grammar in the batch, or grammar
+drafts off) compiles the programs without it.
+
 Kernel choices (specjax.kernels.Kernels, made once at engine start) are closed over like the draft
 and tree configuration: they are part of each program's static configuration.
 
@@ -123,12 +128,13 @@ def _finished(out, seq_lens, stop: StopRows):
 
 
 class SpecPrograms(NamedTuple):
-    prefill: Callable  # (tw, dw, state, samp_all, rows: PrefillRows, samp, mask, *, ...)
+    prefill: Callable  # (tw, dw, state, samp_all, rows: PrefillRows, samp, mask, drafts=None, *, ...)
     #                    -> (out, trees, state, samp_all)
-    step: Callable  # fused, K steps: (tw, dw, state, samp_all, slots, active, mask, stop: StopRows, *,
-    #                 num_steps, ...) -> (SpecOut with [K, B] fields, trees, state); a mask needs K == 1
+    step: Callable  # fused, K steps: (tw, dw, state, samp_all, slots, active, mask, stop: StopRows, drafts=None,
+    #                 *, num_steps, ...) -> (SpecOut with [K, B] fields, trees, state); a mask or grammar
+    #                 drafts need K == 1
     verify: Callable  # (tw, state, slots, active) -> (logits, h, aux), state
-    finish: Callable  # (tw, dw, state, verified, samp_all, slots, active, mask, *, ...)
+    finish: Callable  # (tw, dw, state, verified, samp_all, slots, active, mask, drafts=None, *, ...)
     #                   -> (SpecOut with [1, B] fields, trees, state)
 
 
@@ -147,19 +153,21 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
     def bound(fn, tw, dw, *args, **kw):
         return fn(info, spec, target_graphdef, tunflat(tw), draft_graphdef, dunflat(dw), *args, **kw)
 
-    def prefill(tw, dw, state, samp_all, rows, samp, mask, *, want_logprobs, stochastic):
+    def prefill(tw, dw, state, samp_all, rows, samp, mask, drafts=None, *, want_logprobs, stochastic):
         out, state = bound(step_lib.spec_prefill_rows, tw, dw, state, rows, samp, want_logprobs=want_logprobs,
-                           stochastic=stochastic, token_mask=mask)
+                           stochastic=stochastic, token_mask=mask, grammar_drafts=drafts)
         return out, _trees(state, rows.slots), state, _put_rows(samp_all, rows.slots, samp)
 
-    def fused(tw, dw, state, samp_all, slots, active, mask, stop, *, num_steps, want_logprobs, stochastic):
+    def fused(tw, dw, state, samp_all, slots, active, mask, stop, drafts=None, *, num_steps, want_logprobs,
+              stochastic):
         samp = _take_rows(samp_all, slots)
         rs = jnp.minimum(slots, state.cache.seq_lens.shape[0] - 1)
-        assert mask is None or num_steps == 1, "a grammar mask covers one speculative step"
+        assert (mask is None and drafts is None) or num_steps == 1, "grammar masks / drafts cover one step"
 
         def one(state, act):  # one fused step; rows finished by it are inactive for the next ones
             out, state = bound(step_lib.spec_step, tw, dw, state, slots, act, samp, want_logprobs=want_logprobs,
-                               stochastic=stochastic, token_mask=mask, kernels=kernels)
+                               stochastic=stochastic, token_mask=mask, kernels=kernels,
+                               grammar_drafts=drafts)
             return out, state, act & ~_finished(out, state.cache.seq_lens[rs], stop)
 
         def live(state, act):  # a row dispatched again after its end (the host reads one step behind)
@@ -188,14 +196,15 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         ver = step_lib.verify_forward(info, spec, target, state, slots, active)
         return (ver.logits, ver.h, ver.aux), dataclasses.replace(state, cache=ver.cache)
 
-    def finish(tw, dw, state, verified, samp_all, slots, active, mask, *, want_logprobs, stochastic):
+    def finish(tw, dw, state, verified, samp_all, slots, active, mask, drafts=None, *, want_logprobs, stochastic):
         target, draft = nnx.merge(target_graphdef, tunflat(tw)), step_lib.merge_draft(draft_graphdef, dunflat(dw))
         logits, h, aux = verified
         ver = step_lib.Verified(logits=logits, h=h, aux=aux, cache=state.cache)
         samp = _take_rows(samp_all, slots)
         acc = step_lib.accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask=mask,
                               kernels=kernels)
-        new = step_lib.draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic)
+        new = step_lib.draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic,
+                                  drafts)
         return jax.tree.map(lambda x: x[None], acc.out), _trees(new, slots), new
 
     jit = functools.partial(jax.jit, static_argnames=_STATIC)

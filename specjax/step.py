@@ -34,6 +34,14 @@ tokens x_0 .. x_L (SpecState.history; admission (admit_slots) writes the whole p
 prefill piece the first token, each step appends its emitted tokens) and the next tree is looked up in them; draft_kv is empty and
 draft_seq_lens unused. Its drafts are point masses (draft_probs None).
 
+Grammar drafts (specjax.grammar_drafts; constrained batches): the host passes the grammar's
+continuation after each node of the verified tree ([B, N, S + 1] int32, -1 padded; after the prompt
+for a prefill). grammar_levels takes the one after the accepted node where it starts with the bonus
+token, and _grow forces those tokens as the first levels of the next tree: a chain's tokens (their
+proposal in draft_probs the one-hot), or a tree level's only candidate (candidate 0, score 0; the
+other candidates of the level are displaced to score -1e30). The draft is fed them as its own
+tokens, so later levels continue from them. Point-mass proposals keep verification exact.
+
 Penalties (SpecState.penalties set; specjax.penalties): acceptance sees the target's logits after
 each node penalised with the slot's counts plus the tokens on the node's path, i.e. exactly what
 plain decoding would sample from, so speculation stays lossless; the emitted tokens are counted
@@ -63,6 +71,7 @@ from specjax.sampling import SamplingArrays
 from specjax.tree import SpecConfig
 
 _DRAFT_SEED_SALT = 0x5BD1E995  # draft sampling uses its own random stream
+_DISPLACED = -1e30  # score of the tree candidates a grammar draft displaces (never kept before real ones)
 
 
 @jax.tree_util.register_dataclass
@@ -152,11 +161,43 @@ def _draft_rows(info, pen: PenaltyState | None, slots):
     return pen_lib.rows(pen, slots)
 
 
+def grammar_levels(drafts, node, bonus, num_steps: int):
+    """The first levels of the next tree that the grammar drafts (specjax.grammar_drafts).
+
+    drafts [B, N', S + 1] int32: the grammar's continuation after each node of the verified tree
+    (after the prompt for a prefill: N' = 1), -1 padded; node [B] int32: the node the accepted path
+    ends at; bonus [B] int32: the next root. -> [B, S] int32: drafts[node, 1:] where drafts[node, 0]
+    is the bonus (the continuation starts with the token the target chose), -1 from the first level
+    without a grammar draft on (a prefix of the levels)."""
+    g = jnp.take_along_axis(drafts, node[:, None, None], axis=1)[:, 0]  # [B, S + 1]
+    lv = g[:, 1:num_steps + 1]  # [B, S]
+    on = (g[:, :1] == bonus[:, None]) & (bonus[:, None] >= 0) & (jnp.cumprod(lv >= 0, axis=1) > 0)
+    return jnp.where(on, lv, -1)
+
+
+def _force(spec, s, forced, tok, sc, q):
+    """Level s of the tree growth with the grammar's token forced[:, s] (>= 0) where there is one:
+    a chain's token (its proposal q the one-hot of it); a tree's only candidate of the level
+    (candidate 0, a child of frontier node 0, i.e. of the forced node above; score 0, the others
+    displaced). tok / sc [B, C] target ids / scores, q [B, V] or None -> (tok, sc, q)."""
+    f = forced[:, s]  # [B]
+    on = (f >= 0)[:, None]  # [B, 1]
+    if spec.is_chain:
+        if q is not None:
+            q = jnp.where(on, jax.nn.one_hot(f, q.shape[-1], dtype=q.dtype), q)
+        return jnp.where(on, f[:, None], tok), sc, q
+    first = (jnp.arange(tok.shape[1]) == 0)[None, :]  # [1, C]
+    tok = jnp.where(on & first, f[:, None], tok)
+    sc = jnp.where(on, jnp.where(first, 0.0, _DISPLACED), sc)
+    return tok, sc, q
+
+
 def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logits_last, samp,
-          sample_drafts, pen_rows=None):
+          sample_drafts, pen_rows=None, forced=None):
     """Grow the next tree from the draft's output at the root (h_last [B, E], logits_last [B, Vd]).
     pen_rows: penalty rows of the batch (counts including the root) to draft from penalised logits.
-    Returns (Tree, draft_probs [B, N, V] or None, kv)."""
+    forced: [B, S] int32 grammar drafts of the first levels (grammar_levels; -1: the draft's own
+    choice), fed to the draft like its own tokens. Returns (Tree, draft_probs [B, N, V] or None, kv)."""
     S, k = spec.num_steps, spec.topk
     B = root.shape[0]
     V = target.embed[...].shape[0]
@@ -172,11 +213,15 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
     fr = jnp.zeros((B, 1), jnp.int32)  # frontier: indices into the previous step's candidates
     for s in range(S):
         tok, sc, local = tree_lib.expand_step(score, lp, k)  # [B, F*k] draft ids, scores, frontier idx
+        q = None
         if spec.is_chain:  # F = k = 1
             tok, q = _pick_chain(info, draft, lp[:, 0], samp, L + s + 1, V, sample_drafts)
             tok = tok[:, None]
-            qs.append(q)
         tok = drafter.to_target(info, draft, tok)
+        if forced is not None:
+            tok, sc, q = _force(spec, s, forced, tok, sc, q)
+        if spec.is_chain:
+            qs.append(q)
         st_tok.append(tok)
         st_score.append(sc)
         st_par.append(jnp.take_along_axis(fr, local, axis=1) if s else jnp.full_like(local, -1))
@@ -238,10 +283,12 @@ def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, 
 
 def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState,
                       rows: decode.PrefillRows, samp: SamplingArrays, want_logprobs=False, stochastic=True,
-                      token_mask=None):
+                      token_mask=None, grammar_drafts=None):
     """Prefill pieces into the target and the draft; final rows sample the first token and grow the
     first tree. The penalty state of the admitted slots must already be reset. token_mask: optional
-    [B, W] grammar bitmask of the first token. Returns (decode.StepOut, state)."""
+    [B, W] grammar bitmask of the first token. grammar_drafts: optional [B, 1, S + 1] int32, the
+    grammar's continuation after each prompt (specjax.grammar_drafts), drafted into the first tree.
+    Returns (decode.StepOut, state)."""
     target, draft = _merge(tgd, tp, dgd, dp)
     T = rows.tokens.shape[1]
     max_slots = state.cache.seq_lens.shape[0]
@@ -273,23 +320,27 @@ def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state
     n_d = (rows.lens + (1 - sh) * final) * act  # draft entries this piece writes
     h_last, lg_last, dkv = _extend(info, draft, target, state.draft_kv, pt, ps, dtoks, feats, rows.start, n_d)
     Ld = rows.start + n_d
+    forced = None
+    if grammar_drafts is not None:
+        forced = grammar_levels(grammar_drafts, jnp.zeros_like(out.tokens), out.tokens, spec.num_steps)
     tree, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act * final, out.tokens, rows.start + rows.lens,
                              Ld, h_last, lg_last, samp, stochastic and state.draft_probs is not None,
-                             _draft_rows(info, pen, rows.slots))
+                             _draft_rows(info, pen, rows.slots), forced)
     draft_seq_lens = state.draft_seq_lens.at[rows.slots].set(Ld, mode="drop")
     return out, _store(state, fin, tree, probs, dkv, draft_seq_lens, cache, pen)
 
 
 def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, tokens, lens, slots,
                  samp: SamplingArrays, want_logprobs=False, stochastic=True,
-                 penalty_params: PenaltyParams | None = None, token_mask=None):
+                 penalty_params: PenaltyParams | None = None, token_mask=None, grammar_drafts=None):
     """Prefill ragged prompts (tokens [B, T], lens [B], slots [B]) into the target, sample the first
     token, seed the draft over the prompt and grow the first tree. penalty_params: the rows'
     penalties (needs state.penalties; None: off for these slots). token_mask: optional [B, W] grammar
-    bitmask of the first token. Returns (decode.StepOut, state)."""
+    bitmask of the first token; grammar_drafts: optional [B, 1, S + 1] (spec_prefill_rows).
+    Returns (decode.StepOut, state)."""
     state = admit_slots(state, tokens, lens, slots, penalty_params)
     return spec_prefill_rows(info, spec, tgd, tp, dgd, dp, state, decode.whole_prompts(tokens, lens, slots), samp,
-                             want_logprobs, stochastic, token_mask)
+                             want_logprobs, stochastic, token_mask, grammar_drafts)
 
 
 def admit_slots(state: SpecState, tokens, lens, slots, penalty_params: PenaltyParams | None = None) -> SpecState:
@@ -381,9 +432,11 @@ def accept(spec: SpecConfig, state: SpecState, ver: Verified, slots, active, sam
 
 
 def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecState, ver: Verified, acc: Accepted,
-               slots, active, samp, stochastic) -> SpecState:
+               slots, active, samp, stochastic, grammar_drafts=None) -> SpecState:
     """Lengths update, penalty counts of the emitted tokens, draft extend over the accepted entries and
-    the next tree -> the new state."""
+    the next tree -> the new state. grammar_drafts: optional [B, N, S + 1] int32, the grammar's
+    continuation after each node of the verified tree (specjax.grammar_drafts), drafted into the
+    next tree where it starts with the bonus token (not used by the n-gram drafter)."""
     rs, active = _rows(state, slots, active)
     max_slots = state.cache.seq_lens.shape[0]
     act = active.astype(jnp.int32)
@@ -404,8 +457,12 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
     h_last, lg_last, dkv = _extend(info, draft, target, state.draft_kv, pt, ps, jnp.maximum(acc.out.tokens, 0),
                                    feats, Ld, n)
     L2, Ld2 = L + n, Ld + n
+    forced = None
+    if grammar_drafts is not None:
+        last = jnp.take_along_axis(acc.accept_idx, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]  # [B] node n*
+        forced = grammar_levels(grammar_drafts, jnp.maximum(last, 0), acc.bonus, spec.num_steps)
     nxt, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act, acc.bonus, L2, Ld2, h_last, lg_last,
-                            samp, stochastic and state.draft_probs is not None, _draft_rows(info, pen, rs))
+                            samp, stochastic and state.draft_probs is not None, _draft_rows(info, pen, rs), forced)
     cache = dataclasses.replace(acc.cache, seq_lens=state.cache.seq_lens.at[upd].set(L2, mode="drop"))
     draft_seq_lens = state.draft_seq_lens.at[upd].set(Ld2, mode="drop")
     return _store(state, upd, nxt, probs, dkv, draft_seq_lens, cache, pen)
@@ -424,17 +481,20 @@ def _ngram_next(spec: SpecConfig, state: SpecState, acc: Accepted, rs, upd, pen)
 
 def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
               samp: SamplingArrays, want_logprobs=False, stochastic=True, token_mask=None,
-              kernels: Kernels = Kernels()):
+              kernels: Kernels = Kernels(), grammar_drafts=None):
     """One fused speculative step for rows `slots` [B] with `active` [B] bool -> (SpecOut, state).
     The caller must have pages for lookahead(spec, info) entries past L of every active slot.
-    kernels: static kernel choices (specjax.kernels; default: the jnp references)."""
+    kernels: static kernel choices (specjax.kernels; default: the jnp references).
+    token_mask [B, N, W] / grammar_drafts [B, N, S + 1]: grammar masks of the stored tree and the
+    grammar's continuations after its nodes (draft_next)."""
     target, draft = _merge(tgd, tp, dgd, dp)
     with jax.named_scope("verify"):
         ver = verify_forward(info, spec, target, state, slots, active)
     with jax.named_scope("accept"):
         acc = accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask, kernels)
     with jax.named_scope("draft"):
-        new_state = draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic)
+        new_state = draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic,
+                               grammar_drafts)
     return acc.out, new_state
 
 

@@ -5,6 +5,7 @@ async or sync loop, overlap on or off all give the same tokens; constrained and 
 mix in a batch; a bad constraint fails only its request; preemption keeps the grammar state."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -208,3 +209,30 @@ def test_preemption_keeps_grammar_state(world, reference, draft):
         alloc.free = kept + alloc.free
     assert eng.num_preempted > before
     assert [r.token_ids for r in reqs] == [o.token_ids for o in reference]
+
+
+FORCED = r"KEY-fixed-text-then-more-fixed-text;[\s\S]*"  # a long fixed run, then anything
+CHOICE = ["xabcd-first", "xabce-second", "yz"]  # "ab" is a token too: after x, "ab" is likely, not certain
+
+
+@pytest.mark.parametrize("draft,sched", [
+    (("self", 3, 1, None), SchedulerOptions()),
+    (("self", 2, 2, 4), SchedulerOptions(async_loop=False, overlap=False)),
+], ids=["chain-overlap", "tree-no-overlap"])
+def test_grammar_drafts_are_accepted(world, draft, sched):
+    """Grammar drafts (specjax.grammar_drafts), the target as its own draft: where the grammar fixes
+    the text its drafts are certain; in the permissive tail the draft (the target) continues from them,
+    so with consistent draft KV every step of the FORCED row accepts num_steps + 1 tokens. The tokens
+    are those of plain constrained decoding, with grammar drafts on and off; off, the fixed text is
+    rejected draft by draft: fewer tokens per step (measured) for the fixed text, the choice and JSON."""
+    prompts = world[5][:3]
+    constraints = [dict(regex=FORCED), dict(choice=CHOICE), dict(json_schema=SCHEMA)]
+    plain = run(make_engine(world, sched=SchedulerOptions()), prompts, constraints, max_tokens=40)
+    eng = make_engine(world, draft, sched=sched)
+    on = run(eng, prompts, constraints, max_tokens=40)
+    eng.opts = dataclasses.replace(sched, grammar_drafts=False)
+    off = run(eng, prompts, constraints, max_tokens=40)
+    assert [o.token_ids for o in on] == [o.token_ids for o in plain] == [o.token_ids for o in off]
+    assert on[0].accept_len_mean == draft[1] + 1
+    on_tau, off_tau = [o.accept_len_mean for o in on], [o.accept_len_mean for o in off]
+    assert on_tau[0] >= off_tau[0] + 1.0 and all(a > b for a, b in zip(on_tau, off_tau)), (on_tau, off_tau)
