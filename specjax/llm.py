@@ -153,7 +153,6 @@ class LLM:
         from specjax.checkpoint import load_model
         from specjax.drafter import DraftInfo
         from specjax.engine import Draft
-        from specjax.tree import SpecConfig
         kind = draft_method(draft)
         if spec is None:
             spec = self._default_spec(draft, kind)
