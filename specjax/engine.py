@@ -163,8 +163,9 @@ class Engine:
         else:
             from specjax import step
             self.lookahead = step.lookahead(draft.spec, draft.info)
-            advance = draft.spec.num_steps + 1  # one fused step; a dispatch runs up to K of them
-            ahead = self.lookahead + (batch_opts.spec_steps_per_call - 1) * advance
+            # one fused step; a dispatch runs up to K of them when the pages for K steps are free
+            # (Engine._spec_steps), so pages are reserved (and requests admitted) for one step
+            ahead, advance = self.lookahead, draft.spec.num_steps + 1
             # a speculative step writes up to `lookahead` entries past a slot's length, also at the end
             # of the context: slots address max_seq_len + lookahead entries (specjax.scheduler, "Capacity")
             tail = self.lookahead
@@ -509,7 +510,7 @@ class Engine:
             per_step = self.draft.spec.num_steps + 1
             # up to spec_steps_per_call steps (one program: the device loop ends when every row finished);
             # a grammar batch: one step, with the rows' grammar drafts
-            K = 1 if mask is not None else self.batch_opts.spec_steps_per_call
+            K = 1 if mask is not None else self._spec_steps(rows, per_step)
             drafts = None if mask is None else self._grammar_drafts(list(enumerate(r for _, r in rows)), len(slots))
             out, trees, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state, self.samp,
                                                           slots, active, mask, self._stop_rows(rows, len(slots)),
@@ -521,6 +522,16 @@ class Engine:
                                                     num_steps=K, **flags)
         return self._push("decode", out, None, _indexed(rows), K)
 
+
+    def _spec_steps(self, rows, per_step: int) -> int:
+        """Fused steps for the next dispatch: spec_steps_per_call when every row can have the pages
+        of that many steps now (taken here), else 1 (the pages of one step are reserved already;
+        a tight page budget never preempts or fails a request for the sake of more steps)."""
+        K = self.batch_opts.spec_steps_per_call
+        if K > 1 and self.sched.ensure_extra([s for s, _ in rows], (K - 1) * per_step):
+            self._push_page_table()
+            return K
+        return 1
 
     def _stop_rows(self, rows, B: int) -> prog.StopRows:
         """The rows' stop ids (EOS unless ignored, stop_token_ids; [B, E], E bucketed) and the

@@ -154,8 +154,13 @@ class Scheduler:
         return None
 
     def _target(self, slot: int) -> int:
-        """Cache entries the slot must have pages for before the next step is dispatched."""
-        return min(int(self.lens[slot] + self.inflight[slot]) + self.ahead, self.capacity)
+        """Cache entries the slot must have pages for before the next step is dispatched: what the
+        unread steps may add plus one more step, at most what the request can use (its last step
+        starts below len(prompt) + max_len; entries a finished row's stale step writes past its
+        pages go to the trash page)."""
+        req = self.slots[slot]
+        most = self.capacity if req is None else len(req.prompt_ids) + req.max_len + self.ahead
+        return min(int(self.lens[slot] + self.inflight[slot]) + self.ahead, self.capacity, most)
 
     def row_slots(self, rows: list[tuple[int, Request]], min_rows: int = 2) -> tuple[np.ndarray, np.ndarray]:
         """(slots [B], active [B]) for a step over rows; B is bucketed (>= min_rows), padding rows
@@ -267,6 +272,14 @@ class Scheduler:
         self.release(slot)
         self.queue.appendleft(req)
         return req
+
+    def ensure_extra(self, slots: list[int], extra: int) -> bool:
+        """Pages for `extra` more cache entries past each slot's reservation, for all the slots or
+        (when the free pages do not cover them all) for none: True if taken."""
+        want = {s: min(self._target(s) + extra, self.capacity) for s in slots}
+        if sum(self.alloc.pages_needed(s, n) for s, n in want.items()) > self.alloc.num_free:
+            return False
+        return all([self.alloc.ensure(s, n) for s, n in want.items()])
 
     def reserve(self) -> list[Request]:
         """Pages for the next step of every running slot (oldest request first), preempting the

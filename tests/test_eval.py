@@ -94,7 +94,7 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         cli.main(["eval", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for text in ("(default: 256; 32 with --quick)", "tree depth) (default: 4)", "(default: auto)",
+    for text in ("(default: 256; 32 with --quick)", "(tree depth; default: the draft's spec_defaults, else 4)", "(default: auto)",
                  "(default: head, unless --draft)", "longest suffix matched (default: 4)", "(default: 10)"):
         assert text in out, text
     assert "(default: None)" not in out
