@@ -305,5 +305,7 @@ def test_preemption_with_a_shared_prefix(world):
         reqs = _run(eng, PROMPTS[:4], long, pages=pages)
     assert [r.token_ids for r in reqs] == [r.token_ids for r in ref]
     assert eng.num_preempted > pre and any(r.num_preempted for r in reqs)
-    assert eng.stats()["prefix_cache_hits"] - hits > 4  # readmissions hit their own pages too
+    # the budget starts with an empty prefix cache: the first admission misses, the others share its
+    # SYSTEM pages, and every readmission hits (the shared pages stay with the running requests)
+    assert eng.stats()["prefix_cache_hits"] - hits >= len(reqs) - 1 + sum(r.num_preempted for r in reqs)
     assert_clean(eng)
