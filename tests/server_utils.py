@@ -1,6 +1,7 @@
 """A real `specjax.server` app served by uvicorn on 127.0.0.1 (a free port) in a background thread."""
 from __future__ import annotations
 
+import http.client
 import socket
 import threading
 import time
@@ -42,3 +43,14 @@ def wait_idle(llm, timeout: float = 120.0) -> None:
     s = llm.stats
     wait_for(lambda: s.running == s.waiting == s.kv_pages_used == 0 and llm._inbox.empty()
              and not llm.engine.has_unfinished(), timeout, "the engine to be idle")
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    """(status, body) of GET path on 127.0.0.1:port."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()

@@ -9,7 +9,6 @@ the test fails with both processes' logs."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import http.client
 import json
 import os
 import re
@@ -23,7 +22,7 @@ import openai
 import pytest
 
 from multihost_cases import GREEDY, LLM_ARGS, LONG, PARAMS, PROMPTS, STREAM_PARAMS, STREAM_PROMPTS, output_record
-from server_utils import wait_for
+from server_utils import http_get as _get, wait_for
 from specjax import LLM
 from tiny_dir import make_tiny_model_dir
 
@@ -124,16 +123,6 @@ def test_llm_on_two_processes_equals_one(model_dir, reference, tmp_path):
     assert lead["bad_call"].startswith("PromptError: prompt 0 must be a string")
     assert follower["bad_call"] == f"RuntimeError: process 0's generate call failed: {lead['bad_call']}"
     assert follower["followed"] is True
-
-
-def _get(port: int, path: str) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
-    finally:
-        conn.close()
 
 
 def test_specjax_serve_on_two_processes(model_dir, reference, tmp_path):

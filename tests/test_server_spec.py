@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from specjax import LLM, SamplingParams
-from server_utils import wait_for
+from server_utils import http_get as _get, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 8
@@ -30,16 +30,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _get(port, path) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
-    finally:
-        conn.close()
 
 
 def _metrics(port) -> dict[str, float]:
