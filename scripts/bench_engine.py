@@ -31,6 +31,7 @@ tokens/s; JSON tau (accepted tokens per step) >= 0.8x the unconstrained tau.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import queue
 import sys
@@ -178,6 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--scenarios", default=None, help="comma-separated scenario names to run (default: all)")
     p.add_argument("--no-plain", action="store_true", help="skip the plain-decoding rows")
     p.add_argument("--json", help="append the rows as JSON lines to this file")
+    p.add_argument("--spec-steps-per-call", default=None,
+                   help="comma list K: run the unconstrained speculative scenarios once per K (fused steps per dispatch)")
     a = p.parse_args(argv)
     from specjax.llm import draft_method
     from specjax.tree import SpecConfig
@@ -202,10 +205,17 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"--scenarios: unknown {sorted(unknown)}; choose from {[n for n, _, _ in plans + plain]}")
         plans, plain = [x for x in plans if x[0] in wanted], [x for x in plain if x[0] in wanted]
+    ks = [int(k) for k in a.spec_steps_per_call.split(",")] if a.spec_steps_per_call else [None]
+    base_opts = llm.engine.batch_opts
     for B in batches:
         for name, grammar, sched in plans:
-            rows.append(scenario(llm, name, prompts_for(llm, B), grammar, sched, a.max_tokens))
-            print(json.dumps(rows[-1]), flush=True)
+            for K in (ks if grammar is None else [None]):
+                if K is not None:
+                    llm.engine.batch_opts = dataclasses.replace(base_opts, spec_steps_per_call=K)
+                rows.append(scenario(llm, name if K is None else f"{name} K={K}", prompts_for(llm, B), grammar,
+                                     sched, a.max_tokens))
+                llm.engine.batch_opts = base_opts
+                print(json.dumps(rows[-1]), flush=True)
     if not a.no_plain and plain:
         llm = LLM(a.model, dtype=a.dtype, max_batch=max(batches), max_seq_len=a.max_seq_len)
         for B in batches:

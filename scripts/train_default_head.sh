@@ -40,6 +40,9 @@ SEQ_LEN=${SEQ_LEN:-1024}
 LR=${LR:-6e-4}
 TTT=${TTT:-7}
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
+SEED=${SEED:-0}  # prompts, sampling and data order (a new seed: new prompts and responses)
+INIT_HEAD=${INIT_HEAD:-}  # continue training this exported head (its weights and draft vocabulary)
+WARMUP=${WARMUP:-200}
 
 for alt in "shared/data/train/$(basename "$GSM8K")" "../shared/data/train/$(basename "$GSM8K")"; do
   if [ ! -f "$GSM8K" ] && [ -f "$alt" ]; then GSM8K=$alt; fi
@@ -54,10 +57,10 @@ if [ -f "$RUN/prompts.jsonl" ]; then
   echo "== prompts: reusing $RUN/prompts.jsonl ($(wc -l < "$RUN/prompts.jsonl") prompts)"
 else
   echo "== prompts: $PASSAGES over installed Python text (CPU, background) + $SELF_INSTRUCT written by the target"
-  JAX_PLATFORMS=cpu "$PY" scripts/train_eagle.py prompts --out "$RUN/passages.jsonl" --self-instruct 0 --passages "$PASSAGES" &
+  JAX_PLATFORMS=cpu "$PY" scripts/train_eagle.py prompts --out "$RUN/passages.jsonl" --self-instruct 0 --passages "$PASSAGES" --seed "$SEED" &
   PASS_PID=$!
   "$PY" scripts/train_eagle.py prompts --out "$RUN/self_instruct.jsonl" --model "$MODEL" \
-    --self-instruct "$SELF_INSTRUCT" --passages 0 --max-batch 1024
+    --self-instruct "$SELF_INSTRUCT" --passages 0 --max-batch 1024 --seed "$SEED"
   wait $PASS_PID
   cat "$RUN/self_instruct.jsonl" "$RUN/passages.jsonl" > "$RUN/prompts.jsonl"
 fi
@@ -67,13 +70,14 @@ T1=$SECONDS
 echo "== data: $GSM8K + $RUN/prompts.jsonl -> $RUN/data (token ids; budget ${DATA_BUDGET}s)"
 "$PY" scripts/train_eagle.py data --prompts "$GSM8K" "$RUN/prompts.jsonl" --out "$RUN/data" --model "$MODEL" \
   --no-features --temperatures 0,0.7,0,1.0 --max-tokens "$MAX_TOKENS" --max-seq-len 1024 \
-  --max-batch "$MAX_BATCH" --chunk-prompts 8192 --data-time-budget "$DATA_BUDGET"
+  --max-batch "$MAX_BATCH" --chunk-prompts 8192 --data-time-budget "$DATA_BUDGET" --data-seed "$SEED"
 echo "== data stage: $((SECONDS - T1)) s"
 
 T2=$SECONDS
 echo "== train: $STEPS steps (budget ${TRAIN_BUDGET}s), batch $BATCH x $SEQ_LEN, TTT $TTT -> $OUT"
 "$PY" scripts/train_eagle.py train --data "$RUN/data" --work "$RUN/work" --export "$OUT" --resume \
-  --steps "$STEPS" --batch-size "$BATCH" --seq-len "$SEQ_LEN" --lr "$LR" --warmup 200 \
+  --steps "$STEPS" --batch-size "$BATCH" --seq-len "$SEQ_LEN" --lr "$LR" --warmup "$WARMUP" --seed "$SEED" \
+  ${INIT_HEAD:+--init-head "$INIT_HEAD"} \
   --ttt-steps "$TTT" --draft-vocab "$DRAFT_VOCAB" --ckpt-every 1000 --log-every 50 --eval-every 500 \
   --heldout 0.01 --time-budget "$TRAIN_BUDGET" --export-dtype bfloat16 --no-progress
 echo "== train stage: $((SECONDS - T2)) s; total $((SECONDS - T0)) s"
@@ -82,7 +86,7 @@ echo "== train stage: $((SECONDS - T2)) s; total $((SECONDS - T0)) s"
   echo "## Reproduce"
   echo
   echo '```bash'
-  echo "SELF_INSTRUCT=$SELF_INSTRUCT PASSAGES=$PASSAGES DATA_BUDGET=$DATA_BUDGET MAX_BATCH=$MAX_BATCH MAX_TOKENS=$MAX_TOKENS \\"
+  echo "SEED=$SEED INIT_HEAD=$INIT_HEAD WARMUP=$WARMUP SELF_INSTRUCT=$SELF_INSTRUCT PASSAGES=$PASSAGES DATA_BUDGET=$DATA_BUDGET MAX_BATCH=$MAX_BATCH MAX_TOKENS=$MAX_TOKENS \\"
   echo "  STEPS=$STEPS TRAIN_BUDGET=$TRAIN_BUDGET BATCH=$BATCH SEQ_LEN=$SEQ_LEN LR=$LR TTT=$TTT DRAFT_VOCAB=$DRAFT_VOCAB \\"
   echo "  bash scripts/train_default_head.sh"
   echo '```'

@@ -80,6 +80,8 @@ def add_train_args(p, data_required=True):
     p.add_argument("--draft-vocab", type=int, default=16384)
     p.add_argument("--no-target-init", action="store_true",
                    help="random lm_head / final norm (default: start from the target's)")
+    p.add_argument("--init-head", default=None,
+                   help="continue training an exported head (its weights and its draft vocabulary)")
     p.add_argument("--ckpt-every", type=int, default=200)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--heldout", type=float, default=0.01, help="share of packed rows held out (acc@k)")
@@ -127,7 +129,7 @@ def run_train(a, data_dir: str, command: str) -> dict:
                       steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup,
                       min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, clip=a.clip,
                       ttt_steps=a.ttt_steps, decay=a.decay, draft_vocab_size=a.draft_vocab,
-                      init_from_target=not a.no_target_init,
+                      init_from_target=not a.no_target_init, init_head=a.init_head,
                       ckpt_every=a.ckpt_every, log_every=a.log_every, heldout=a.heldout,
                       eval_every=a.eval_every, seed=a.seed, compute_dtype=a.compute_dtype,
                       param_dtype=a.param_dtype, export_dtype=a.export_dtype, time_budget=a.time_budget,

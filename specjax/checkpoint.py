@@ -271,14 +271,13 @@ def save_draft_dir(out_dir: str | Path, flat: dict[str, np.ndarray], hf_config: 
     return out
 
 
-def load_draft(draft_dir: str | Path, target_cfg: ModelConfig, dtype: Any = None):
-    """(EagleHead, EagleConfig) of a converted draft head, checked against the target's config;
-    float parameters in dtype (default: the checkpoint's dtype)."""
+def load_draft_flat(draft_dir: str | Path, target_cfg: ModelConfig, dtype: Any = None):
+    """(flat parameters {name: array} incl. d2t, EagleConfig, float dtype) of a converted draft head,
+    checked against the target's config (the names are those specjax.train exports)."""
     import orbax.checkpoint as ocp
 
     from specjax.config import ConfigError
-    from specjax.models.eagle import EagleConfig, EagleHead
-
+    from specjax.models.eagle import EagleConfig
     d = Path(draft_dir)
     if not d.is_dir():
         raise CheckpointError(f"draft directory {d} does not exist")
@@ -311,6 +310,15 @@ def load_draft(draft_dir: str | Path, target_cfg: ModelConfig, dtype: Any = None
             raise CheckpointError(f"{params_dir} is corrupt, cannot restore: {type(e).__name__}: {e}") from e
     finally:
         ckpt.close()
+    return flat, cfg, fdtype
+
+
+def load_draft(draft_dir: str | Path, target_cfg: ModelConfig, dtype: Any = None):
+    """(EagleHead, EagleConfig) of a converted draft head, checked against the target's config;
+    float parameters in dtype (default: the checkpoint's dtype)."""
+    from specjax.models.eagle import EagleHead
+
+    flat, cfg, fdtype = load_draft_flat(draft_dir, target_cfg, dtype)
     abstract = nnx.eval_shape(lambda: EagleHead(cfg, DTYPES[fdtype.name], rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)

@@ -173,22 +173,20 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         def live(state, act):  # a row dispatched again after its end (the host reads one step behind)
             return act & (state.cache.seq_lens[rs] < stop.limit)
 
-        # up to num_steps steps; the loop ends early once every row has finished (steps not run
-        # report num_accepted 0, like inactive rows)
-        shapes = jax.eval_shape(lambda st, a: one(st, a)[0], state, active)
-        outs = jax.tree.map(lambda sd: jnp.zeros((num_steps,) + sd.shape, sd.dtype), shapes)
+        # num_steps steps in a loop of static length: XLA on GPU reads a data-dependent loop
+        # condition on the host every iteration (a sync that also breaks the command buffer), so the
+        # loop does not end early; steps after every row finished run with no active row (their
+        # num_accepted is 0, the state does not change)
+        if num_steps == 1:
+            out, state, _ = one(state, live(state, active))
+            return jax.tree.map(lambda x: x[None], out), _trees(state, slots), state
 
-        def cond(carry):
-            k, _, act, _ = carry
-            return (k < num_steps) & jnp.any(act)
+        def body(carry, _):
+            state, act = carry
+            out, state, act = one(state, live(state, act))
+            return (state, act), out
 
-        def body(carry):
-            k, state, act, outs = carry
-            out, state, act = one(state, act)
-            outs = jax.tree.map(lambda buf, x: buf.at[k].set(x), outs, out)
-            return k + 1, state, live(state, act), outs
-
-        _, state, _, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), state, live(state, active), outs))
+        (state, _), outs = jax.lax.scan(body, (state, active), None, length=num_steps)
         return outs, _trees(state, slots), state
 
     def verify(tw, state, slots, active):

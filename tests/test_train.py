@@ -16,7 +16,7 @@ from flax import nnx
 from helpers import tiny_config
 from tiny_dir import make_tiny_model_dir, tiny_hf_config, word_prompts
 
-from specjax.checkpoint import load_draft, read_meta
+from specjax.checkpoint import CheckpointError, load_draft, read_meta
 from specjax.kv_cache import meta_at
 from specjax.models import eagle
 from specjax.train import data as data_lib
@@ -295,3 +295,24 @@ def test_token_only_data_trains_with_heldout(pipeline, tmp_path):
     assert all(0.0 <= a <= 1.0 for a in held[-1]["acc"])
     assert s["final"]["heldout"] == held[-1]
     assert "acc@k held-out" in (tmp_path / "head" / "TRAINING.md").read_text()
+
+
+def test_init_head_continues_from_exported_weights(pipeline, tmp_path):
+    """--init-head: training starts from an exported head's weights and draft vocabulary (with a zero
+    learning rate the export equals the head it started from; its first loss is the trained one)."""
+    from specjax.checkpoint import load_config, load_draft_flat
+    root, model, _, tcfg, _, _ = pipeline
+    cont = dataclasses.replace(tcfg, work_dir=str(tmp_path / "w"), export_dir=str(tmp_path / "head"), steps=5,
+                               lr=0.0, init_head=str(root / "head"))
+    train(cont)
+    cfg = load_config(model)
+    before, _, _ = load_draft_flat(root / "head", cfg, "float32")
+    after, _, _ = load_draft_flat(tmp_path / "head", cfg, "float32")
+    assert sorted(before) == sorted(after)
+    for k in before:
+        np.testing.assert_array_equal(np.asarray(after[k]), np.asarray(before[k]), err_msg=k)
+    fresh = [json.loads(x) for x in (root / "work" / "train_log.jsonl").read_text().splitlines()]
+    got = [json.loads(x) for x in (tmp_path / "w" / "train_log.jsonl").read_text().splitlines()]
+    assert got[0]["total"] < 0.75 * fresh[0]["total"], (got[0]["total"], fresh[0]["total"])
+    with pytest.raises(CheckpointError, match="does not exist"):
+        train(dataclasses.replace(cont, work_dir=str(tmp_path / "w2"), init_head=str(tmp_path / "nohead")))

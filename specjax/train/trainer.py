@@ -42,6 +42,7 @@ class TrainConfig:
     decay: float = 0.8
     draft_vocab_size: int = 16384
     init_from_target: bool = True  # lm_head / final norm start as the target's (draft-vocab columns)
+    init_head: str | None = None  # continue from an exported head (its weights and draft vocabulary)
     ckpt_every: int = 200
     log_every: int = 10
     heldout: float = 0.01  # share of packed rows held out for acc@k (0: none)
@@ -156,12 +157,21 @@ class _Ckpt:
         self.mngr.close()
 
 
-def _vocab(work: Path, shards, vocab_size: int, size: int, resume: bool):
+def _vocab(work: Path, shards, vocab_size: int, size: int, resume: bool, head_d2t=None):
     path = work / "vocab.npz"
     if resume and path.is_file():
         with np.load(path) as z:
             return z["d2t"], z["t2d"], float(z["covered"])
-    d2t, t2d, covered = dataset.draft_vocab(dataset.label_counts(shards, vocab_size), size)
+    if head_d2t is not None:  # the draft vocabulary of the head training continues from
+        ids = np.asarray(head_d2t, np.int64) + np.arange(len(head_d2t))
+        if len(ids) > vocab_size or ids.min() < 0 or ids.max() >= vocab_size or np.any(np.diff(ids) <= 0):
+            raise ValueError("--init-head: its d2t does not map into the target vocabulary")
+        t2d = np.full(vocab_size, -1, np.int32)
+        t2d[ids] = np.arange(len(ids), dtype=np.int32)
+        counts = dataset.label_counts(shards, vocab_size)
+        d2t, covered = np.asarray(head_d2t, np.int32), float(counts[ids].sum() / max(counts.sum(), 1))
+    else:
+        d2t, t2d, covered = dataset.draft_vocab(dataset.label_counts(shards, vocab_size), size)
     np.savez(path, d2t=d2t, t2d=t2d, covered=covered)
     return d2t, t2d, covered
 
@@ -187,7 +197,15 @@ def train(cfg: TrainConfig) -> dict:
     model_dir = cfg.model_dir or man["model_dir"]
     target_hf = forward.read_hf_config(model_dir)
     tcfg, tflat = load_flat(model_dir, "float32")
-    d2t, t2d, covered = _vocab(work, shards, tcfg.vocab_size, cfg.draft_vocab_size, cfg.resume)
+    head = None
+    if cfg.init_head:
+        from specjax.checkpoint import load_draft_flat
+        head, hcfg, _ = load_draft_flat(cfg.init_head, tcfg, "float32")
+        if list(hcfg.aux_layers or ()) != [int(i) for i in man["aux_layers"]]:
+            raise ValueError(f"--init-head {cfg.init_head}: aux layers {hcfg.aux_layers} differ from the "
+                             f"data's {man['aux_layers']}")
+    d2t, t2d, covered = _vocab(work, shards, tcfg.vocab_size, cfg.draft_vocab_size, cfg.resume,
+                               None if head is None else head["d2t"])
     hf = forward.head_hf_config(target_hf, len(d2t), man["aux_layers"])
     ecfg = forward.head_config(hf, tcfg)
     dims = forward.HeadDims.of(ecfg)
@@ -205,6 +223,12 @@ def train(cfg: TrainConfig) -> dict:
     params = forward.init_params(ecfg, cfg.seed)
     if cfg.init_from_target:
         params.update(forward.target_init(tflat, d2t))
+    if head is not None:
+        bad = {k for k in params if k not in head or tuple(head[k].shape) != tuple(params[k].shape)}
+        if bad:
+            raise ValueError(f"--init-head {cfg.init_head}: parameters missing or of other shapes: {sorted(bad)}")
+        params.update({k: jnp.asarray(np.asarray(head[k], np.float32)) for k in params})
+        _log(f"initialised from the head {cfg.init_head} (draft vocabulary {len(d2t)})")
     tdims, aux_layers, target = None, tuple(int(i) for i in man["aux_layers"]), {}
     if packed.aux is None:  # token ids only: the step computes the target's features
         from specjax.train.target import TargetDims

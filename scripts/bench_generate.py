@@ -1,0 +1,145 @@
+"""End-to-end `LLM.generate` throughput, plain vs speculative, by batch size (what a user's script gets).
+
+For each batch B: B prompts (MT-bench-like chat messages built in this script), `max_tokens` new
+tokens each with EOS ignored (equal work), `max_batch` = B. Call 1 compiles; calls 2 and 3 are timed
+and the number of XLA compilations during each is counted (a second identical call must compile
+nothing). Reports tokens/s of the timed calls, mean accepted tokens per speculative step (tau), and
+spec / plain.
+
+    python3 scripts/bench_generate.py --batch 1,8,32,64 --max-tokens 128
+    python3 scripts/bench_generate.py --batch 512 --max-tokens 256 --temperature 0.7 --no-spec --profile 25
+    python3 scripts/bench_generate.py --model DIR --draft self --dtype float32 --batch 2 --max-tokens 16  # CPU smoke
+
+--profile N prints the N functions with the most host time (cProfile) during the last timed call.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from specjax import LLM, SamplingParams  # noqa: E402
+
+SUBJECTS = ["a city at night", "the history of bread", "how vaccines work", "a letter to a friend",
+            "sorting algorithms", "the water cycle", "a job interview", "renewable energy", "a short mystery",
+            "learning a language", "black holes", "a recipe for soup", "time management", "the stock market",
+            "a travel plan for Japan", "photosynthesis"]
+FORMS = ["Write a short essay about {}.", "Explain {} to a ten-year-old.", "Give five tips related to {}.",
+         "Write a poem about {}.", "Describe {} in detail, step by step."]
+
+_compiles = [0]
+
+
+def _on_event(name, *args, **kw):
+    if name == "/jax/core/compile/backend_compile_duration":
+        _compiles[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def prompts(llm, B: int) -> list[list[int]]:
+    out = []
+    for i in range(B):
+        text = FORMS[i % len(FORMS)].format(SUBJECTS[(i // len(FORMS) + i) % len(SUBJECTS)])
+        out.append(llm.tokenizer.encode(llm.apply_chat_template([{"role": "user", "content": text}]),
+                                        add_special_tokens=False))
+    return out
+
+
+def timed(llm, ids, params, profile: int = 0):
+    c0 = _compiles[0]
+    prof = cProfile.Profile() if profile else None
+    t = time.perf_counter()
+    if prof:
+        prof.enable()
+    outs = llm.generate(ids, params)
+    if prof:
+        prof.disable()
+    s = time.perf_counter() - t
+    n = sum(len(o.token_ids) for o in outs)
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
+    return dict(seconds=s, tokens=n, tok_s=n / s, compiles=_compiles[0] - c0), outs
+
+
+def run(llm, B, a, spec: bool):
+    ids = prompts(llm, B)
+    params = [SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, ignore_eos=True, seed=i)
+              for i in range(B)]
+    c0 = _compiles[0]
+    t = time.perf_counter()
+    llm.generate(ids, params)
+    first = dict(seconds=time.perf_counter() - t, compiles=_compiles[0] - c0)
+    second, _ = timed(llm, ids, params)
+    third, outs = timed(llm, ids, params, a.profile)
+    tau = None
+    if spec:
+        means = [o.accept_len_mean for o in outs if o.accept_len_mean is not None]
+        tau = float(np.mean(means)) if means else None
+    return dict(batch=B, kind="spec" if spec else "plain", first_s=round(first["seconds"], 2),
+                first_compiles=first["compiles"], second_compiles=second["compiles"],
+                third_compiles=third["compiles"], tok_s=round(max(second["tok_s"], third["tok_s"]), 1),
+                tok_s_second=round(second["tok_s"], 1), tok_s_third=round(third["tok_s"], 1), tau=tau)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--draft", default=None, help="default: the shipped head of the default model (self with --model)")
+    p.add_argument("--batch", default="1,8,32,64")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--no-spec", action="store_true")
+    p.add_argument("--no-plain", action="store_true")
+    p.add_argument("--spec-steps-per-call", type=int, default=None)
+    p.add_argument("--profile", type=int, default=0, help="print the N functions with the most host time")
+    p.add_argument("--json", default=None, help="append rows as JSON lines")
+    a = p.parse_args(argv)
+    from specjax.assets import DEFAULT_HEAD_DIR
+    draft = a.draft or (str(DEFAULT_HEAD_DIR) if a.model is None else "self")
+    batches = [int(b) for b in a.batch.split(",")]
+    print(f"device: {jax.devices()[0].device_kind}; draft {draft}", flush=True)
+    rows = []
+    for B in batches:
+        pair = {}
+        for spec in ([] if a.no_plain else [False]) + ([] if a.no_spec else [True]):
+            llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=draft if spec else None)
+            if spec and a.spec_steps_per_call is not None:
+                import dataclasses
+                llm.engine.batch_opts = dataclasses.replace(llm.engine.batch_opts,
+                                                            spec_steps_per_call=a.spec_steps_per_call)
+            r = run(llm, B, a, spec)
+            pair[r["kind"]] = r
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            del llm
+        if len(pair) == 2:
+            pair["spec"]["spec_over_plain"] = round(pair["spec"]["tok_s"] / pair["plain"]["tok_s"], 3)
+    if a.json:
+        with open(a.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    print(f"\n{'B':>4} {'kind':6} {'tok/s':>9} {'tau':>5} {'spec/plain':>10} {'compiles 1/2/3':>15} {'first s':>8}")
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if r["tau"] else "-"
+        ratio = f"{r['spec_over_plain']:.2f}" if "spec_over_plain" in r else "-"
+        print(f"{r['batch']:>4} {r['kind']:6} {r['tok_s']:>9.1f} {tau:>5} {ratio:>10} "
+              f"{r['first_compiles']:>5}/{r['second_compiles']}/{r['third_compiles']:<5} {r['first_s']:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
