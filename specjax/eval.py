@@ -120,8 +120,10 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     t1 = time.perf_counter()
     every = [p for ps in ids.values() for p in ps]
     first = every[:1]
-    for llm in (plain, spec):  # compile every prefill bucket and the decode programs
-        _run(llm, every, SamplingParams(max_tokens=warmup_tokens, temperature=0.0, ignore_eos=True))
+    short = SamplingParams(max_tokens=warmup_tokens, temperature=0.0, ignore_eos=True)
+    for llm in (plain, spec):  # compile every prefill bucket and the decode programs; the second pass
+        _run(llm, every, short)  # compiles the prefill buckets of prefix-cache hits, which the timed
+        _run(llm, every, short)  # runs below get (the warm-up computed those prompts' pages)
         _run(llm, first, params)
     log(f"[eval] warm-up {time.perf_counter() - t1:.1f}s")
     eos = plain.eos_ids
