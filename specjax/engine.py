@@ -25,23 +25,45 @@ sends the requests added / cancelled since the last step before each step, the o
 so all make the same decisions and dispatch the same programs.
 
 Batches with grammar-constrained rows need step t's tokens (and next tree) before step t+1's masks.
-Plain decoding reads t, builds [B, W] masks and dispatches t+1 (one token per dispatch). Speculative
-decoding dispatches the target forward over the tree of t+1 first (it depends only on the device
-state), reads t and computes the tree masks while that runs, then dispatches acceptance + drafting
-with the masks (SchedulerOptions(overlap=False): masks first, then the fused step with masks).
-Batches without grammars run the fused speculative step.
+Overlap (SchedulerOptions(overlap=True), the default) hides that behind the target forward:
+
+    dispatch forward(t+1)      speculative: the verify forward over the next trees; plain: the
+       |                       decode forward (logits [B, V]); both depend on the device state only
+    read step t, accept        tokens -> the constrained requests and their matchers (the wait for t
+                               is device time); the unconstrained rows' tokens wait until after the
+                               next dispatch, off the critical path
+    masks(t+1)                 the constrained rows only, in parallel (specjax.grammar_masks):
+                               RowMasks, bits [R, W] / [R, N, W] + row indices [R], R bucketed
+    grammar drafts(t+1)        speculative with a draft model / head (below), from those masks
+    dispatch finish(t+1)       speculative: acceptance + drafting; plain: sampling (programs.sample);
+                               the masks go with the call as numpy arrays (the jit's own transfer:
+                               cheaper than a jax.device_put of their own)
+
+so the host works while the device runs the forward. SchedulerOptions(overlap=False) is the
+reference order: read t, masks, then one program with them (a fused speculative step, or decode_many
+with num_steps=1); the outputs are the same. The device applies the masks to the listed rows only
+(specjax.token_mask); unconstrained rows of the batch are not masked and cost no mask work. In a
+batch with any constrained row every row advances one step per dispatch (plain decoding: one token,
+not steps_per_call): a step's device time per token is that of the scanned steps, and with the host
+hidden behind the forward the unconstrained rows keep their speed. A grammar that raises while its
+masks are computed or its tokens accepted fails only its request (finish_reason "error", the reason
+given); its slot and pages are freed at once. Batches without grammars run the fused programs
+(several steps per dispatch). Host time per phase (read, accept, masks, drafts, dispatch) is
+accumulated in `Engine.host` (specjax.host_timing) and reported by `Engine.stats()`.
 
 Grammar drafts (specjax.grammar_drafts; SchedulerOptions(grammar_drafts=True), a draft model or head):
 with the tree masks the host also computes the grammar's continuation after each node of each
 constrained row's tree ([B, N, S + 1] int32, -1 for unconstrained rows), and after the prompt for a
 prefill ([B, 1, S + 1]); the accept + draft program puts the continuation after the accepted node
 into the next tree. Unconstrained batches compile and run without it; with grammar drafts off the
-arrays are all -1 (the same programs, the draft's own trees).
+arrays are all -1 (the same programs, the draft's own trees). The continuations start from the
+rows' masks just computed (no second fill of the same state).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 
 import jax
@@ -52,11 +74,14 @@ from flax import nnx
 from specjax import attention as attn_lib
 from specjax import programs as prog
 from specjax.decode import PrefillRows
+from specjax.grammar_masks import HostMasks, MaskBuilder
+from specjax.host_timing import HostTimes
 from specjax.kernels import KV_COMPACT_CHOICES, Kernels, choose_kv_compact, compact_shapes
 from specjax.kv_cache import init_cache
 from specjax.request import Request
 from specjax.sampling import SamplingArrays
 from specjax.scheduler import MIN_PREFILL_LEN, Piece, Scheduler, SchedulerOptions, bucket, slot_pages
+from specjax.token_mask import RowMasks
 
 __all__ = ["BatchOptions", "CacheOptions", "Draft", "Engine", "SchedulerOptions", "StepUpdate"]
 
@@ -205,6 +230,8 @@ class Engine:
         self._pending: deque[_Dispatched] = deque()
         self._updates: dict[int, StepUpdate] = {}
         self.replica = None  # multi-host, process 0: a specjax.multihost.Leader sending the commands below
+        self.masks = MaskBuilder(self._width(), self.opts.mask_threads)  # grammar masks, built on the host
+        self.host = HostTimes()
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
 
@@ -287,7 +314,8 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters for metrics: queue and slots, KV pages, prefix cache (hit rate = reused tokens /
-        looked-up tokens), prefilled tokens, preemptions."""
+        looked-up tokens), prefilled tokens, preemptions; host time of the loop by phase (host_*_s:
+        read, accept, masks, drafts, dispatch; host_step_s: all of step(), over host_steps steps)."""
         a, st = self.alloc, self.sched.prefix
         return {
             "queue_length": len(self.sched.queue),
@@ -306,6 +334,7 @@ class Engine:
             "prefix_cache_evictions": a.num_evicted,
             "prefill_tokens": st.prefill_tokens,
             "num_preempted": self.sched.num_preempted,
+            **self.host.stats(),  # host seconds by phase (specjax.host_timing)
         }
 
     def num_compiled(self) -> int:
@@ -375,6 +404,14 @@ class Engine:
     def step(self) -> list[StepUpdate]:
         """Admit, dispatch the next step, read the previous one. Returns the requests that got
         tokens or finished since the last call."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.host.steps += 1
+            self.host.step_s += time.perf_counter() - t0
+
+    def _step(self) -> list[StepUpdate]:
         if self.replica is not None:  # multi-host: the other processes take the same step
             self.replica.send("step")
         pieces = self.sched.plan_prefill()
@@ -454,19 +491,20 @@ class Engine:
         firsts = [pc for pc in pieces if pc.first]
         if firsts:
             self._admit_slots(firsts)
-        samplers = [(pc.slot, pc.req if pc.final else None) for pc in pieces]  # rows whose sample is used
-        mask = drafts = None
-        if any(r is not None and r.grammar is not None for _, r in samplers):
-            mask = self._next_masks(samplers, B)
-            drafts = self._grammar_drafts([(b, r) for b, (_, r) in enumerate(samplers)], B, tree=False)
-        flags = self._flags([r for _, r in samplers if r is not None])
+        samplers = [(b, pc.req) for b, pc in enumerate(pieces) if pc.final]  # rows whose sample is used
+        # the first token's masks: one row per prefill row (no extra bucket: prefill shapes are many already)
+        mask, host = self._grammar_masks(samplers, B, pad=B)
+        drafts = None if mask is None else self._grammar_drafts(samplers, B, tree=False, masks=host)
+        flags = self._flags([r for _, r in samplers])
         rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
+        t0 = time.perf_counter()
         if self.draft is None:
             out, trees, self.state, self.samp = self.steps.prefill(self.weights, self.state, self.samp, rows, samp,
                                                                    mask, **flags)
         else:
             out, trees, self.state, self.samp = self.spec_steps.prefill(
                 self.weights, self.draft_weights, self.state, self.samp, rows, samp, mask, drafts, **flags)
+        self.host.add("dispatch", t0)
         finals = [(b, pc.slot, pc.req) for b, pc in enumerate(pieces) if pc.final]
         if finals:  # a call of unfinished prefills only has nothing to read
             self._push("prefill", out, trees, finals, 0)
@@ -501,27 +539,35 @@ class Engine:
         return penalties.penalty_params([r.params for _, r in group] + pad,
                                         [len(r.prompt_ids) for _, r in group] + [0] * len(pad))
 
-    def _dispatch(self, rows, masks=None) -> _Dispatched:
-        """One decode / fused speculative step over rows; masks(rows, B) builds grammar masks."""
+    def _dispatch(self, rows, grammar: bool = False) -> _Dispatched:
+        """One decode / fused speculative step over rows; grammar: with the masks (and grammar drafts)
+        of its constrained rows, computed first (the reference order, overlap off)."""
         slots, active = self.sched.row_slots(rows)
-        mask = None if masks is None else masks(rows, len(slots))
+        mask = host = drafts = None
+        if grammar:
+            mask, host = self._grammar_masks(list(enumerate(r for _, r in rows)), len(slots),
+                                             tree=self.draft is not None)
         flags = self._flags([r for _, r in rows])
         if self.draft is not None:
             per_step = self.draft.spec.num_steps + 1
             # up to spec_steps_per_call steps (one program: the device loop ends when every row finished);
             # a grammar batch: one step, with the rows' grammar drafts
-            K = 1 if mask is not None else self._spec_steps(rows, per_step)
-            drafts = None if mask is None else self._grammar_drafts(list(enumerate(r for _, r in rows)), len(slots))
+            K = 1 if grammar else self._spec_steps(rows, per_step)
+            if grammar:
+                drafts = self._grammar_drafts(list(enumerate(r for _, r in rows)), len(slots), masks=host)
+            t0 = time.perf_counter()
             out, trees, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state, self.samp,
                                                           slots, active, mask, self._stop_rows(rows, len(slots)),
                                                           drafts, num_steps=K, **flags)
+            self.host.add("dispatch", t0)
             return self._push("spec", out, trees, _indexed(rows), K * per_step)
         spc = self.batch_opts.steps_per_call
-        K = 1 if mask is not None else min(spc, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, spc))
+        K = 1 if grammar else min(spc, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, spc))
+        t0 = time.perf_counter()
         out, _, self.state = self.steps.decode_many(self.weights, self.state, self.samp, slots, active, mask,
                                                     num_steps=K, **flags)
+        self.host.add("dispatch", t0)
         return self._push("decode", out, None, _indexed(rows), K)
-
 
     def _spec_steps(self, rows, per_step: int) -> int:
         """Fused steps for the next dispatch: spec_steps_per_call when every row can have the pages
@@ -545,44 +591,77 @@ class Engine:
         return prog.StopRows(ids, limit)
 
     def _constrained_step(self, rows) -> _Dispatched | None:
-        if self.draft is not None and self.opts.overlap:
-            slots, active = self.sched.row_slots(rows)
+        """A step of a batch with grammar rows. Overlap: dispatch the target forward (the verify
+        forward over the next trees, or plain decoding's forward), read step t and compute the
+        masks (and grammar drafts) while it runs, then dispatch the rest with them (acceptance +
+        drafting, or sampling). Every row of the batch advances one step; unconstrained rows are
+        not masked."""
+        if not self.opts.overlap:
+            self._collect()
+            rows = self.sched.decoding()
+            return self._dispatch(rows, grammar=True) if rows else None
+        slots, active = self.sched.row_slots(rows)
+        flags = self._flags([r for _, r in rows])
+        t0 = time.perf_counter()
+        if self.draft is not None:
             verified, self.state = self.spec_steps.verify(self.weights, self.state, slots, active)
-            self._collect()  # step t (and prefills): tokens for the matchers, the trees being verified
-            mask = self._tree_masks(rows, len(slots))
-            drafts = self._grammar_drafts(list(enumerate(r for _, r in rows)), len(slots))
+        else:
+            logits, self.state = self.steps.forward(self.weights, self.state, slots, active)
+        self.host.add("dispatch", t0)
+        later = self._collect(defer=True)  # step t (and prefills) of the constrained rows: their matchers, trees
+        batch = list(enumerate(r for _, r in rows))
+        mask, host = self._grammar_masks(batch, len(slots), tree=self.draft is not None)
+        if self.draft is not None:
+            drafts = self._grammar_drafts(batch, len(slots), masks=host)
+            t0 = time.perf_counter()
             out, trees, self.state = self.spec_steps.finish(self.weights, self.draft_weights, self.state, verified,
-                                                            self.samp, slots, active, mask, drafts,
-                                                            **self._flags([r for _, r in rows]))
-            return self._push("spec", out, trees, _indexed(rows), self.draft.spec.num_steps + 1)
-        self._collect()
-        rows = self.sched.decoding()
+                                                            self.samp, slots, active, mask, drafts, **flags)
+            self.host.add("dispatch", t0)
+            entry = self._push("spec", out, trees, _indexed(rows), self.draft.spec.num_steps + 1)
+        else:
+            t0 = time.perf_counter()
+            out, _, self.state = self.steps.sample(self.state, logits, self.samp, slots, active, mask, **flags)
+            self.host.add("dispatch", t0)
+            entry = self._push("decode", out, None, _indexed(rows), 1)
+        self._run_deferred(later)  # the unconstrained rows of step t, while step t+1 runs
+        return entry
+
+    def _grammar_masks(self, rows, B: int, tree: bool = False, pad: int | None = None
+                       ) -> tuple[RowMasks | None, dict]:
+        """The masks of the constrained rows among rows [(batch row, request or None)] of a batch of
+        B rows (None: no such row): of the next token, or (tree) of the token after each node of the
+        row's next draft tree; and each such request's host masks by id (for its grammar drafts). A
+        request whose grammar raises fails here alone. pad: the mask rows (default: bucketed,
+        token_mask.rows_bucket)."""
+        rows = [(b, r) for b, r in rows if r is not None and r.grammar is not None and not r.finished]
         if not rows:
-            return None
-        return self._dispatch(rows, self._next_masks if self.draft is None else self._tree_masks)
+            return None, {}
+        t0 = time.perf_counter()
+        if tree:
+            host: HostMasks = self.masks.tree_masks([(b, r.grammar, r.tree) for b, r in rows], B)
+        else:
+            host = self.masks.next_masks([(b, r.grammar) for b, r in rows], B, pad)
+        for i, why in host.failures:
+            self._fail_running(rows[i][1], why)
+        self.host.add("masks", t0)
+        by_req = {id(r): host.bits[i] for i, (_, r) in enumerate(rows) if not r.finished}
+        # numpy: the program call copies them to the device (uncommitted: replicated under a mesh)
+        return RowMasks(host.bits, host.rows), by_req
 
-    def _next_masks(self, rows, B: int) -> np.ndarray:
-        """[B, W] bitmasks of each row's next token (all ones for unconstrained rows)."""
-        mask = np.full((B, self._width()), -1, np.int32)  # fresh: the device may alias host memory
-        for b, (_, req) in enumerate(rows):  # req None: a row that samples nothing
-            if req is not None and req.grammar is not None and not req.finished:
-                req.grammar.next_mask(mask[b])
-        return mask
+    def _fail_running(self, req: Request, why: str) -> None:
+        """Fail a running request (its slot and pages are freed; what is in flight for it is dropped)."""
+        req.fail(why)
+        if req.slot is not None and self.sched.slots[req.slot] is req:
+            self.sched.release(req.slot)
+        self._report(req)
 
-    def _tree_masks(self, rows, B: int) -> np.ndarray:
-        """[B, N, W] bitmasks of the token after each node of each row's next tree."""
-        mask = np.full((B, self.draft.spec.num_nodes, self._width()), -1, np.int32)
-        for b, (_, req) in enumerate(rows):
-            if req.grammar is not None and not req.finished:
-                mask[b] = req.grammar.tree_masks(*req.tree)
-        return mask
-
-    def _grammar_drafts(self, rows, B: int, tree: bool = True) -> np.ndarray | None:
+    def _grammar_drafts(self, rows, B: int, tree: bool = True, masks: dict | None = None) -> np.ndarray | None:
         """The grammar's continuations (specjax.grammar_drafts) for rows [(batch row, request or None)]
         of a batch of B rows: after each node of the row's next tree ([B, N, S + 1]), or (tree False)
-        after its sequence, for a prefill ([B, 1, S + 1]); -1 where there is none. None without a
-        draft model or head (the n-gram drafter takes none). SchedulerOptions(grammar_drafts=False):
-        all -1 (the same programs run, the trees are the draft's own)."""
+        after its sequence, for a prefill ([B, 1, S + 1]); -1 where there is none. masks: the rows'
+        masks by request id (_grammar_masks), where the continuations start. None without a draft
+        model or head (the n-gram drafter takes none). SchedulerOptions(grammar_drafts=False): all -1
+        (the same programs run, the trees are the draft's own)."""
         if self.draft is None or not self.draft.info.has_model:
             return None
         from specjax.grammar_drafts import continuation, tree_drafts
@@ -590,34 +669,65 @@ class Engine:
         out = np.full((B, self.draft.spec.num_nodes if tree else 1, S + 1), -1, np.int32)
         if not self.opts.grammar_drafts:
             return out
+        t0 = time.perf_counter()
+        masks = masks or {}
         for b, req in rows:
             if req is None or req.grammar is None or req.finished:
                 continue
+            m = masks.get(id(req))
             try:
                 if tree:
-                    out[b] = tree_drafts(req.grammar, *req.tree, S + 1)
+                    out[b] = tree_drafts(req.grammar, *req.tree, S + 1, masks=m)
                 else:
-                    continuation(req.grammar, S + 1, out=out[b, 0])
+                    continuation(req.grammar, S + 1, mask=m, out=out[b, 0])
             except Exception as e:  # noqa: BLE001 - drafts are optional: the row's trees stay the draft's
                 out[b] = -1
                 log.warning("grammar drafts of request %s skipped this step: %s: %s", req.id, type(e).__name__, e)
+        self.host.add("drafts", t0)
         return out
 
     def _width(self) -> int:
         return (self.cfg.vocab_size + 31) // 32
 
     # -- results ----------------------------------------------------------------------------
-    def _collect(self, keep: _Dispatched | None = None) -> None:
-        """Deliver every dispatched output older than `keep` (all of them when None)."""
+    def _collect(self, keep: _Dispatched | None = None, defer: bool = False) -> list:
+        """Deliver every dispatched output older than `keep` (all of them when None). defer: deliver
+        only the rows of constrained requests now (their matchers make the next masks) and return the
+        other rows' deliveries, to be run (`_run_deferred`) once the next program is dispatched."""
+        later = []
         while self._pending and self._pending[0] is not keep:
-            self._deliver(self._pending.popleft())
+            later += self._deliver(self._pending.popleft(), defer)
+        return later
 
-    def _deliver(self, e: _Dispatched) -> None:
+    def _deliver(self, e: _Dispatched, defer: bool = False) -> list:
+        t0 = time.perf_counter()
         toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x).tolist()  # nested lists, once
                                      for x in (e.out.tokens, e.out.logprob, e.out.top_logprobs, e.out.top_ids))
         counts = _as_rows(e.kind, e.out.num_accepted).tolist() if e.kind == "spec" else None  # [B, K]
         trees = None if e.trees is None else tuple(np.asarray(t) for t in e.trees)
-        for b, slot, req, epoch in e.rows:
+        t0 = self.host.add("read", t0)
+        read = (toks, lp, top_lp, top_ids, counts, trees)
+        now, later = e.rows, []
+        if defer:
+            now = [x for x in e.rows if x[2].grammar is not None]
+            later = [(e, [x for x in e.rows if x[2].grammar is None], read)]
+        try:
+            self._accept(e, now, *read)
+        finally:
+            self.host.add("accept", t0)
+        return later
+
+    def _run_deferred(self, later: list) -> None:
+        t0 = time.perf_counter()
+        try:
+            for e, rows, read in later:
+                self._accept(e, rows, *read)
+        finally:
+            self.host.add("accept", t0)
+
+    def _accept(self, e: _Dispatched, rows, toks, lp, top_lp, top_ids, counts, trees) -> None:
+        """Deliver rows [(batch row, slot, request, epoch)] of e's outputs."""
+        for b, slot, req, epoch in rows:
             if counts is None:
                 ns = [len(toks[b])]
             else:  # K fused steps: row b emitted toks[b][k][:n_k]; n_k = 0 once it finished on the device
