@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.grammar import GrammarCompiler, RequestGrammar, unpack_bitmask
+from specjax.grammar import GrammarCompiler, unpack_bitmask
 from specjax.grammar_masks import MaskBuilder
 from specjax.request import Request
 from specjax.sampling_params import SamplingParams
