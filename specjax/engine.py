@@ -24,40 +24,9 @@ Several JAX processes (specjax.multihost): every process runs this engine; proce
 sends the requests added / cancelled since the last step before each step, the others replay them,
 so all make the same decisions and dispatch the same programs.
 
-Batches with grammar-constrained rows need step t's tokens (and next tree) before step t+1's masks.
-Overlap (SchedulerOptions(overlap=True), the default) hides that behind the target forward:
-
-    dispatch forward(t+1)      speculative: the verify forward over the next trees; plain: the
-       |                       decode forward (logits [B, V]); both depend on the device state only
-    read step t, accept        tokens -> the constrained requests and their matchers (the wait for t
-                               is device time); the unconstrained rows' tokens wait until after the
-                               next dispatch, off the critical path
-    masks(t+1)                 the constrained rows only, in parallel (specjax.grammar_masks):
-                               RowMasks, bits [R, W] / [R, N, W] + row indices [R], R bucketed
-    grammar drafts(t+1)        speculative with a draft model / head (below), from those masks
-    dispatch finish(t+1)       speculative: acceptance + drafting; plain: sampling (programs.sample);
-                               the masks go with the call as numpy arrays (the jit's own transfer:
-                               cheaper than a jax.device_put of their own)
-
-so the host works while the device runs the forward. SchedulerOptions(overlap=False) is the
-reference order: read t, masks, then one program with them (a fused speculative step, or decode_many
-with num_steps=1); the outputs are the same. The device applies the masks to the listed rows only
-(specjax.token_mask); unconstrained rows of the batch are not masked and cost no mask work. In a
-batch with any constrained row every row advances one step per dispatch (plain decoding: one token,
-not steps_per_call): a step's device time per token is that of the scanned steps, and with the host
-hidden behind the forward the unconstrained rows keep their speed. A grammar that raises while its
-masks are computed or its tokens accepted fails only its request (finish_reason "error", the reason
-given); its slot and pages are freed at once. Batches without grammars run the fused programs
-(several steps per dispatch). Host time per phase (read, accept, masks, drafts, dispatch) is
-accumulated in `Engine.host` (specjax.host_timing) and reported by `Engine.stats()`.
-
-Grammar drafts (specjax.grammar_drafts; SchedulerOptions(grammar_drafts=True), a draft model or head):
-with the tree masks the host also computes the grammar's continuation after each node of each
-constrained row's tree ([B, N, S + 1] int32, -1 for unconstrained rows), and after the prompt for a
-prefill ([B, 1, S + 1]); the accept + draft program puts the continuation after the accepted node
-into the next tree. Unconstrained batches compile and run without it; with grammar drafts off the
-arrays are all -1 (the same programs, the draft's own trees). The continuations start from the
-rows' masks just computed (no second fill of the same state).
+Batches with grammar-constrained rows: specjax.engine_grammar (one step per dispatch, the masks and
+grammar drafts computed on the host while the target forward runs; a grammar that raises fails only
+its request). Host time per phase: `Engine.stats()` (specjax.host_timing).
 """
 from __future__ import annotations
 
@@ -74,14 +43,14 @@ from flax import nnx
 from specjax import attention as attn_lib
 from specjax import programs as prog
 from specjax.decode import PrefillRows
-from specjax.grammar_masks import HostMasks, MaskBuilder
+from specjax.engine_grammar import GrammarSteps
+from specjax.grammar_masks import MaskBuilder
 from specjax.host_timing import HostTimes
 from specjax.kernels import KV_COMPACT_CHOICES, Kernels, choose_kv_compact, compact_shapes
 from specjax.kv_cache import init_cache
 from specjax.request import Request
 from specjax.sampling import SamplingArrays
 from specjax.scheduler import MIN_PREFILL_LEN, Piece, Scheduler, SchedulerOptions, bucket, slot_pages
-from specjax.token_mask import RowMasks
 
 __all__ = ["BatchOptions", "CacheOptions", "Draft", "Engine", "SchedulerOptions", "StepUpdate"]
 
@@ -149,7 +118,7 @@ def _as_rows(kind: str, x) -> np.ndarray:
     return x[:, None] if kind == "prefill" else np.swapaxes(x, 0, 1)
 
 
-class Engine:
+class Engine(GrammarSteps):
     def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
                  draft: Draft | None = None, mesh=None, sched: SchedulerOptions | None = None, grammar=None,
                  kv_compact_impl: str = "auto", attention: str | attn_lib.AttnImpl = "auto"):
@@ -357,21 +326,6 @@ class Engine:
             req.fail(why)
         self._report(req)
 
-    def _attach_grammar(self, req: Request) -> str | None:
-        from specjax.grammar import GrammarCompiler
-        if self._grammar is None:
-            return "constrained decoding needs a grammar compiler (Engine(grammar=...))"
-        if not isinstance(self._grammar, GrammarCompiler):
-            try:
-                self._grammar = self._grammar()  # built on first use
-            except Exception as e:  # noqa: BLE001 - e.g. a tokenizer xgrammar cannot read: fail the request
-                return f"cannot build the grammar compiler: {type(e).__name__}: {e}"
-        try:
-            req.grammar = self._grammar.matcher(req.params.constraint, list(req.eos_ids) or None)
-        except ValueError as e:  # GrammarError, or stop ids outside the vocabulary
-            return str(e)
-        return None
-
     def cancel(self, request_id: int) -> bool:
         """Cancel a queued or running request (finish_reason "cancelled"); its slot and pages are
         freed at once. False if no unfinished request has that id."""
@@ -492,9 +446,7 @@ class Engine:
         if firsts:
             self._admit_slots(firsts)
         samplers = [(b, pc.req) for b, pc in enumerate(pieces) if pc.final]  # rows whose sample is used
-        # the first token's masks: one row per prefill row (no extra bucket: prefill shapes are many already)
-        mask, host = self._grammar_masks(samplers, B, pad=B)
-        drafts = None if mask is None else self._grammar_drafts(samplers, B, tree=False, masks=host)
+        mask, drafts = self._prefill_grammar(samplers, B)  # the first token's masks (and grammar drafts)
         flags = self._flags([r for _, r in samplers])
         rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
         t0 = time.perf_counter()
@@ -543,18 +495,13 @@ class Engine:
         """One decode / fused speculative step over rows; grammar: with the masks (and grammar drafts)
         of its constrained rows, computed first (the reference order, overlap off)."""
         slots, active = self.sched.row_slots(rows)
-        mask = host = drafts = None
-        if grammar:
-            mask, host = self._grammar_masks(list(enumerate(r for _, r in rows)), len(slots),
-                                             tree=self.draft is not None)
+        mask, drafts = self._step_grammar(rows, len(slots)) if grammar else (None, None)
         flags = self._flags([r for _, r in rows])
         if self.draft is not None:
             per_step = self.draft.spec.num_steps + 1
             # up to spec_steps_per_call steps (one program: the device loop ends when every row finished);
             # a grammar batch: one step, with the rows' grammar drafts
             K = 1 if grammar else self._spec_steps(rows, per_step)
-            if grammar:
-                drafts = self._grammar_drafts(list(enumerate(r for _, r in rows)), len(slots), masks=host)
             t0 = time.perf_counter()
             out, trees, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state, self.samp,
                                                           slots, active, mask, self._stop_rows(rows, len(slots)),
@@ -590,137 +537,28 @@ class Engine:
             limit[b] = len(r.prompt_ids) + r.max_len - 1
         return prog.StopRows(ids, limit)
 
-    def _constrained_step(self, rows) -> _Dispatched | None:
-        """A step of a batch with grammar rows. Overlap: dispatch the target forward (the verify
-        forward over the next trees, or plain decoding's forward), read step t and compute the
-        masks (and grammar drafts) while it runs, then dispatch the rest with them (acceptance +
-        drafting, or sampling). Every row of the batch advances one step; unconstrained rows are
-        not masked."""
-        if not self.opts.overlap:
-            self._collect()
-            rows = self.sched.decoding()
-            return self._dispatch(rows, grammar=True) if rows else None
-        slots, active = self.sched.row_slots(rows)
-        flags = self._flags([r for _, r in rows])
-        t0 = time.perf_counter()
-        if self.draft is not None:
-            verified, self.state = self.spec_steps.verify(self.weights, self.state, slots, active)
-        else:
-            logits, self.state = self.steps.forward(self.weights, self.state, slots, active)
-        self.host.add("dispatch", t0)
-        later = self._collect(defer=True)  # step t (and prefills) of the constrained rows: their matchers, trees
-        batch = list(enumerate(r for _, r in rows))
-        mask, host = self._grammar_masks(batch, len(slots), tree=self.draft is not None)
-        if self.draft is not None:
-            drafts = self._grammar_drafts(batch, len(slots), masks=host)
-            t0 = time.perf_counter()
-            out, trees, self.state = self.spec_steps.finish(self.weights, self.draft_weights, self.state, verified,
-                                                            self.samp, slots, active, mask, drafts, **flags)
-            self.host.add("dispatch", t0)
-            entry = self._push("spec", out, trees, _indexed(rows), self.draft.spec.num_steps + 1)
-        else:
-            t0 = time.perf_counter()
-            out, _, self.state = self.steps.sample(self.state, logits, self.samp, slots, active, mask, **flags)
-            self.host.add("dispatch", t0)
-            entry = self._push("decode", out, None, _indexed(rows), 1)
-        self._run_deferred(later)  # the unconstrained rows of step t, while step t+1 runs
-        return entry
-
-    def _grammar_masks(self, rows, B: int, tree: bool = False, pad: int | None = None
-                       ) -> tuple[RowMasks | None, dict]:
-        """The masks of the constrained rows among rows [(batch row, request or None)] of a batch of
-        B rows (None: no such row): of the next token, or (tree) of the token after each node of the
-        row's next draft tree; and each such request's host masks by id (for its grammar drafts). A
-        request whose grammar raises fails here alone. pad: the mask rows (default: bucketed,
-        token_mask.rows_bucket)."""
-        rows = [(b, r) for b, r in rows if r is not None and r.grammar is not None and not r.finished]
-        if not rows:
-            return None, {}
-        t0 = time.perf_counter()
-        if tree:
-            host: HostMasks = self.masks.tree_masks([(b, r.grammar, r.tree) for b, r in rows], B)
-        else:
-            host = self.masks.next_masks([(b, r.grammar) for b, r in rows], B, pad)
-        for i, why in host.failures:
-            self._fail_running(rows[i][1], why)
-        self.host.add("masks", t0)
-        by_req = {id(r): host.bits[i] for i, (_, r) in enumerate(rows) if not r.finished}
-        # numpy: the program call copies them to the device (uncommitted: replicated under a mesh)
-        return RowMasks(host.bits, host.rows), by_req
-
-    def _fail_running(self, req: Request, why: str) -> None:
-        """Fail a running request (its slot and pages are freed; what is in flight for it is dropped)."""
-        req.fail(why)
-        if req.slot is not None and self.sched.slots[req.slot] is req:
-            self.sched.release(req.slot)
-        self._report(req)
-
-    def _grammar_drafts(self, rows, B: int, tree: bool = True, masks: dict | None = None) -> np.ndarray | None:
-        """The grammar's continuations (specjax.grammar_drafts) for rows [(batch row, request or None)]
-        of a batch of B rows: after each node of the row's next tree ([B, N, S + 1]), or (tree False)
-        after its sequence, for a prefill ([B, 1, S + 1]); -1 where there is none. masks: the rows'
-        masks by request id (_grammar_masks), where the continuations start. None without a draft
-        model or head (the n-gram drafter takes none). SchedulerOptions(grammar_drafts=False): all -1
-        (the same programs run, the trees are the draft's own)."""
-        if self.draft is None or not self.draft.info.has_model:
-            return None
-        from specjax.grammar_drafts import continuation, tree_drafts
-        S = self.draft.spec.num_steps
-        out = np.full((B, self.draft.spec.num_nodes if tree else 1, S + 1), -1, np.int32)
-        if not self.opts.grammar_drafts:
-            return out
-        t0 = time.perf_counter()
-        masks = masks or {}
-        for b, req in rows:
-            if req is None or req.grammar is None or req.finished:
-                continue
-            m = masks.get(id(req))
-            try:
-                if tree:
-                    out[b] = tree_drafts(req.grammar, *req.tree, S + 1, masks=m)
-                else:
-                    continuation(req.grammar, S + 1, mask=m, out=out[b, 0])
-            except Exception as e:  # noqa: BLE001 - drafts are optional: the row's trees stay the draft's
-                out[b] = -1
-                log.warning("grammar drafts of request %s skipped this step: %s: %s", req.id, type(e).__name__, e)
-        self.host.add("drafts", t0)
-        return out
-
-    def _width(self) -> int:
-        return (self.cfg.vocab_size + 31) // 32
-
     # -- results ----------------------------------------------------------------------------
-    def _collect(self, keep: _Dispatched | None = None, defer: bool = False) -> list:
-        """Deliver every dispatched output older than `keep` (all of them when None). defer: deliver
-        only the rows of constrained requests now (their matchers make the next masks) and return the
-        other rows' deliveries, to be run (`_run_deferred`) once the next program is dispatched."""
-        later = []
+    def _collect(self, keep: _Dispatched | None = None) -> None:
+        """Deliver every dispatched output older than `keep` (all of them when None)."""
         while self._pending and self._pending[0] is not keep:
-            later += self._deliver(self._pending.popleft(), defer)
-        return later
+            e = self._pending.popleft()
+            self._accept_all([(e, e.rows, self._read(e))])
 
-    def _deliver(self, e: _Dispatched, defer: bool = False) -> list:
+    def _read(self, e: _Dispatched) -> tuple:
+        """e's outputs on the host: (tokens, logprob, top logprobs, top ids, accepted counts, trees)."""
         t0 = time.perf_counter()
         toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x).tolist()  # nested lists, once
                                      for x in (e.out.tokens, e.out.logprob, e.out.top_logprobs, e.out.top_ids))
         counts = _as_rows(e.kind, e.out.num_accepted).tolist() if e.kind == "spec" else None  # [B, K]
         trees = None if e.trees is None else tuple(np.asarray(t) for t in e.trees)
-        t0 = self.host.add("read", t0)
-        read = (toks, lp, top_lp, top_ids, counts, trees)
-        now, later = e.rows, []
-        if defer:
-            now = [x for x in e.rows if x[2].grammar is not None]
-            later = [(e, [x for x in e.rows if x[2].grammar is None], read)]
-        try:
-            self._accept(e, now, *read)
-        finally:
-            self.host.add("accept", t0)
-        return later
+        self.host.add("read", t0)
+        return toks, lp, top_lp, top_ids, counts, trees
 
-    def _run_deferred(self, later: list) -> None:
+    def _accept_all(self, items) -> None:
+        """Deliver [(dispatched, its rows, its outputs read)] (host phase "accept")."""
         t0 = time.perf_counter()
         try:
-            for e, rows, read in later:
+            for e, rows, read in items:
                 self._accept(e, rows, *read)
         finally:
             self.host.add("accept", t0)
