@@ -13,13 +13,21 @@ compile, then again measuring, in that one run:
                   for the host (reported as measured, not clamped). On the CPU a program runs
                   (partly) inside its dispatch call, so these two figures mean something on GPUs only.
   tok/s           tokens delivered per second over the steady state (and over the whole run)
+  host ms/step    the engine's own host time by phase over the steady steps (Engine.stats(), host_*_s):
+                  read (waiting for / converting outputs), accept (tokens to requests and matchers),
+                  masks (grammar masks), drafts (grammar drafts), dispatch (enqueueing programs,
+                  with the copies of their numpy inputs: the masks' upload);
+                  "other" is the rest of the step (scheduling, page tables). Read includes the wait
+                  for the device: where the host is ahead, that is where it waits.
 
 Grammars: "any" is a permissive regex (every token allowed, the tokens equal the unconstrained
 run's, so the difference is pure overhead: mask computation, upload, split programs); "json" is a
 nested JSON schema (real masks; acceptance differs from free text), with grammar drafts (the text
-the schema fixes drafted by the host: specjax.grammar_drafts) and without ("no-drafts"). Goals
-checked: bubble <= 2% of wall time for the async scenarios; constrained >= 0.97x unconstrained
-tokens/s; JSON tau (accepted tokens per step) >= 0.8x the unconstrained tau.
+the schema fixes drafted by the host: specjax.grammar_drafts) and without ("no-drafts"). Plain
+decoding with a grammar runs one token per step (forward | sample, the masks computed while the
+forward runs; "no-overlap": masks first). Goals checked: bubble <= 2% for the unconstrained async
+scenarios and <= 5% with grammars (overlap); the permissive regex >= 0.95x the unconstrained
+tokens/s, speculative and plain; JSON tau (accepted tokens per step) >= 0.8x the unconstrained tau.
 
     python scripts/bench_engine.py                      # SmolLM2 with its shipped EAGLE-3 head
     python scripts/bench_engine.py --draft self --batch 1,32 --max-tokens 256 --json out.jsonl
@@ -63,6 +71,7 @@ TOPICS = ["a lighthouse keeper", "a robot chef", "a lost city", "the first moon 
 ASYNC, SYNC = SchedulerOptions(), SchedulerOptions(async_loop=False)
 NO_OVERLAP = SchedulerOptions(overlap=False)
 NO_DRAFTS = SchedulerOptions(grammar_drafts=False)  # the trees are the draft's alone (specjax.grammar_drafts)
+PHASES = ("read", "accept", "masks", "drafts", "dispatch")
 
 
 def prompts_for(llm, n):
@@ -137,7 +146,7 @@ def scenario(llm, name, prompts, grammar, sched, max_tokens):
     reqs = llm._requests(prompts, params)
     for r in reqs:
         eng.add_request(r)
-    spans, toks, full, progs = [], [], [], []
+    spans, toks, full, progs, host = [], [], [], [], [dict(eng.host.seconds)]
     with DeviceTimeline(eng) as tl:
         t_all = time.perf_counter()
         while eng.has_unfinished():
@@ -145,6 +154,7 @@ def scenario(llm, name, prompts, grammar, sched, max_tokens):
             t = time.perf_counter()
             ups = eng.step()
             spans.append((t, time.perf_counter()))
+            host.append(dict(eng.host.seconds))  # cumulative host seconds by phase after each step
             progs.append(len(tl.enqueued) - n0)
             toks.append(sum(len(u.token_ids) for u in ups))
             full.append(sum(r is not None for r in eng.slots) == B)
@@ -154,6 +164,8 @@ def scenario(llm, name, prompts, grammar, sched, max_tokens):
     dev_s = sum(tl.busy_within(*spans[i]) for i in steady)  # device busy during the steady steps
     n = len(steady)
     taus = [np.mean(r.accept_lens) for r in reqs if r.accept_lens]
+    phase_ms = {p: sum(host[i + 1][p] - host[i][p] for i in steady) / n * 1e3 if n else float("nan") for p in PHASES}
+    phase_ms["other"] = wall_s / n * 1e3 - sum(phase_ms.values()) if n else float("nan")
     return dict(name=name, batch=B, grammar=grammar or "none", async_loop=sched.async_loop, overlap=sched.overlap,
                 steady_steps=n, wall_ms=wall_s / n * 1e3 if n else float("nan"),
                 device_ms=dev_s / n * 1e3 if n else float("nan"), bubble=1 - dev_s / wall_s if n else float("nan"),
@@ -161,7 +173,8 @@ def scenario(llm, name, prompts, grammar, sched, max_tokens):
                 tok_s=sum(toks[i] for i in steady) / wall_s if n else float("nan"), tok_s_run=sum(toks) / run_s,
                 tokens_per_step=sum(toks[i] for i in steady) / max(1, n),
                 accept_len_mean=float(np.mean(taus)) if taus else float("nan"),
-                finished_stop=sum(r.finish_reason == "stop" for r in reqs))
+                finished_stop=sum(r.finish_reason == "stop" for r in reqs),
+                **{f"host_{p}_ms": v for p, v in phase_ms.items()})
 
 
 def main(argv=None) -> int:
@@ -198,7 +211,8 @@ def main(argv=None) -> int:
     plans = [("spec fused", None, ASYNC), ("spec fused sync", None, SYNC), ("spec any overlap", "any", ASYNC),
              ("spec any no-overlap", "any", NO_OVERLAP), ("spec json overlap", "json", ASYNC),
              ("spec json no-drafts", "json", NO_DRAFTS), ("spec json no-overlap", "json", NO_OVERLAP)]
-    plain = [("plain", None, ASYNC), ("plain any", "any", ASYNC), ("plain json", "json", ASYNC)]
+    plain = [("plain", None, ASYNC), ("plain any", "any", ASYNC), ("plain any no-overlap", "any", NO_OVERLAP),
+             ("plain json", "json", ASYNC)]
     if a.scenarios:
         wanted = a.scenarios.split(",")
         unknown = set(wanted) - {n for n, _, _ in plans + plain}
@@ -232,23 +246,28 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['name']:22} {r['batch']:>3} {r['wall_ms']:>8.3f} {r['device_ms']:>8.3f} {100 * r['bubble']:>6.1f}% "
               f"{r['tok_s']:>9.1f} {r['tokens_per_step']:>8.2f} {r['accept_len_mean']:>5.2f} {r['steady_steps']:>5}")
+    cols = PHASES + ("other",)
+    print(f"\nhost ms per steady step, by phase\n{'scenario':22} {'B':>3} " + " ".join(f"{c:>8}" for c in cols))
+    for r in rows:
+        print(f"{r['name']:22} {r['batch']:>3} " + " ".join(f"{r[f'host_{c}_ms']:>8.3f}" for c in cols))
     ok = True
     for B in batches:
         by = {r["name"]: r for r in rows if r["batch"] == B}
-        for name in ("spec fused", "spec any overlap", "spec json overlap", "plain"):
+        for name, limit in (("spec fused", 0.02), ("plain", 0.02), ("spec any overlap", 0.05),
+                            ("spec json overlap", 0.05), ("plain any", 0.05), ("plain json", 0.05)):
             if name not in by:
                 continue
             b = by[name]["bubble"]
-            good = b <= 0.02  # NaN (no steady step) fails
+            good = b <= limit  # NaN (no steady step) fails
             ok &= good
-            print(f"goal B={B} {name}: bubble {100 * b:.1f}% <= 2%: {'PASS' if good else 'FAIL'}")
-        for name in ("spec any overlap", "spec json overlap"):
-            if name not in by or "spec fused" not in by:
+            print(f"goal B={B} {name}: bubble {100 * b:.1f}% <= {100 * limit:.0f}%: {'PASS' if good else 'FAIL'}")
+        for name, base in (("spec any overlap", "spec fused"), ("plain any", "plain")):
+            if name not in by or base not in by:
                 continue
-            ratio = by[name]["tok_s"] / by["spec fused"]["tok_s"]
-            good = ratio >= 0.97
+            ratio = by[name]["tok_s"] / by[base]["tok_s"]
+            good = ratio >= 0.95
             ok &= good
-            print(f"goal B={B} {name}: {ratio:.3f}x unconstrained tok/s >= 0.97x: {'PASS' if good else 'FAIL'}")
+            print(f"goal B={B} {name}: {ratio:.3f}x unconstrained ({base}) tok/s >= 0.95x: {'PASS' if good else 'FAIL'}")
         if "spec json overlap" in by and "spec fused" in by:  # acceptance under the schema, same head and prompts
             tau, free = by["spec json overlap"]["accept_len_mean"], by["spec fused"]["accept_len_mean"]
             good = tau >= 0.8 * free

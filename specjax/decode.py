@@ -5,6 +5,12 @@ last token of each slot, optionally the penalty state) is donated and lives on t
 indexed by slot. With `DecodeState.penalties` set, every sampled token is drawn from penalised
 logits (specjax.penalties) and counted; without it the programs are those of no penalties.
 
+A decode step is `decode_forward` (the forward over each row's last token: logits [B, V], K/V
+appended, lengths advanced) then `decode_sample` (penalties, grammar masks, sampling, counts, last
+tokens): one program in `decode` / `decode_many`, two for grammar batches, whose masks the host
+computes while the forward runs (specjax.programs, specjax.engine). Grammar masks (`token_mask`)
+are token_mask.RowMasks (the constrained rows only) or a dense bitmask.
+
 Prefill works on pieces (`PrefillRows`): row b appends tokens[b, :lens[b]] at cache index start[b]
 of its slot, attending to the slot's cached entries before start[b] (a shared prefix, earlier
 chunks) and causally to its own new tokens. A row's `final` piece ends the prompt: it samples the
@@ -24,6 +30,7 @@ from specjax import penalties as pen_lib
 from specjax import sampling
 from specjax.kv_cache import KVCache, meta_at, step_meta
 from specjax.penalties import PenaltyParams, PenaltyState
+from specjax.token_mask import apply_token_mask
 
 
 @jax.tree_util.register_dataclass
@@ -63,10 +70,14 @@ class StepOut:
 
 def _finish(model, h_last, samp, positions, want_logprobs, stochastic, pen_rows=None, token_mask=None):
     logits = model.logits(h_last[:, None, :])[:, 0]  # [B, V] float32
+    return _sample(logits, samp, positions, want_logprobs, stochastic, pen_rows, token_mask)
+
+
+def _sample(logits, samp, positions, want_logprobs, stochastic, pen_rows=None, token_mask=None):
+    """Sample from logits [B, V] (penalised, then grammar-masked: token_mask a token_mask.RowMasks,
+    a dense [B, W] bitmask or None)."""
     sample_from = logits if pen_rows is None else pen_lib.apply(logits, pen_rows)
-    if token_mask is not None:  # grammar: [B, W] int32 bitmask of the allowed tokens
-        from specjax.grammar import apply_bitmask
-        sample_from = apply_bitmask(sample_from, token_mask)
+    sample_from = apply_token_mask(sample_from, token_mask)
     tokens = sampling.sample(sample_from, samp, positions, stochastic)
     if not want_logprobs:  # logprobs: of the raw model distribution
         return StepOut(tokens)
@@ -148,11 +159,21 @@ def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, wan
 def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logprobs=False, stochastic=True,
            token_mask=None):
     """One decode step for the rows `slots` [B]: feeds each slot's last token, appends its K/V,
-    samples the next token (token_mask: optional [B, W] grammar bitmask). Inactive rows ([B] bool)
-    write to the trash page and do not advance;
+    samples the next token (token_mask: optional grammar masks, see _sample). Inactive rows ([B]
+    bool) write to the trash page and do not advance;
     rows with slot >= max_slots are padding (a batch of >= 2 rows keeps XLA from rewriting the
-    matmuls of a single row into multiply + reduce pairs, which is slower on GPU)."""
+    matmuls of a single row into multiply + reduce pairs, which is slower on GPU).
+    = decode_forward, then decode_sample (the engine runs them as two programs under grammars, to
+    compute the masks while the forward runs)."""
     model = nnx.merge(graphdef, params)
+    positions = state.cache.seq_lens[jnp.minimum(slots, state.cache.seq_lens.shape[0] - 1)]  # [B]
+    logits, state = decode_forward(model, state, slots, active)
+    return decode_sample(state, logits, slots, active, samp, positions + 1, want_logprobs, stochastic, token_mask)
+
+
+def decode_forward(model, state: DecodeState, slots, active):
+    """The forward half of a decode step: each row's last token at its slot's length, K/V appended,
+    lengths advanced. -> (logits [B, V] float32 of the next token, state)."""
     cache = state.cache
     num_new = active.astype(jnp.int32)
     read_slots = jnp.minimum(slots, cache.seq_lens.shape[0] - 1)
@@ -160,14 +181,25 @@ def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logpr
     positions = cache.seq_lens[read_slots]  # [B]
     tokens = state.last_tokens[read_slots]
     h, cache, _ = model(tokens[:, None], positions[:, None], cache, meta)
+    logits = model.logits(h)[:, 0]  # [B, V] float32
+    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].add(num_new, mode="drop"))
+    return logits, dataclasses.replace(state, cache=cache)
+
+
+def decode_sample(state: DecodeState, logits, slots, active, samp, positions, want_logprobs=False, stochastic=True,
+                  token_mask=None):
+    """The sampling half of a decode step: the next token of each row from logits [B, V] (penalised,
+    grammar-masked; positions [B]: the sampled token's position, which keys the randomness), counted
+    in the penalty state and stored as the slot's last token. -> (StepOut, state)."""
+    read_slots = jnp.minimum(slots, state.last_tokens.shape[0] - 1)
     pen = state.penalties
     pen_rows = None if pen is None else pen_lib.rows(pen, read_slots)
-    out = _finish(model, h[:, 0], samp, positions + 1, want_logprobs, stochastic, pen_rows, token_mask)
-    cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[slots].add(num_new, mode="drop"))
-    last_tokens = state.last_tokens.at[slots].set(jnp.where(active, out.tokens, tokens), mode="drop")
+    out = _sample(logits, samp, positions, want_logprobs, stochastic, pen_rows, token_mask)
+    last_tokens = state.last_tokens.at[slots].set(jnp.where(active, out.tokens, state.last_tokens[read_slots]),
+                                                  mode="drop")
     if pen is not None:
-        pen = pen_lib.add_tokens(pen, slots, out.tokens[:, None], num_new)
-    return out, DecodeState(cache, last_tokens, pen)
+        pen = pen_lib.add_tokens(pen, slots, out.tokens[:, None], active.astype(jnp.int32))
+    return out, DecodeState(state.cache, last_tokens, pen)
 
 
 def decode_many(graphdef, params, state: DecodeState, slots, active, samp, num_steps: int,

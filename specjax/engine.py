@@ -24,24 +24,15 @@ Several JAX processes (specjax.multihost): every process runs this engine; proce
 sends the requests added / cancelled since the last step before each step, the others replay them,
 so all make the same decisions and dispatch the same programs.
 
-Batches with grammar-constrained rows need step t's tokens (and next tree) before step t+1's masks.
-Plain decoding reads t, builds [B, W] masks and dispatches t+1 (one token per dispatch). Speculative
-decoding dispatches the target forward over the tree of t+1 first (it depends only on the device
-state), reads t and computes the tree masks while that runs, then dispatches acceptance + drafting
-with the masks (SchedulerOptions(overlap=False): masks first, then the fused step with masks).
-Batches without grammars run the fused speculative step.
-
-Grammar drafts (specjax.grammar_drafts; SchedulerOptions(grammar_drafts=True), a draft model or head):
-with the tree masks the host also computes the grammar's continuation after each node of each
-constrained row's tree ([B, N, S + 1] int32, -1 for unconstrained rows), and after the prompt for a
-prefill ([B, 1, S + 1]); the accept + draft program puts the continuation after the accepted node
-into the next tree. Unconstrained batches compile and run without it; with grammar drafts off the
-arrays are all -1 (the same programs, the draft's own trees).
+Batches with grammar-constrained rows: specjax.engine_grammar (one step per dispatch, the masks and
+grammar drafts computed on the host while the target forward runs; a grammar that raises fails only
+its request). Host time per phase: `Engine.stats()` (specjax.host_timing).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 
 import jax
@@ -52,6 +43,9 @@ from flax import nnx
 from specjax import attention as attn_lib
 from specjax import programs as prog
 from specjax.decode import PrefillRows
+from specjax.engine_grammar import GrammarSteps
+from specjax.grammar_masks import MaskBuilder
+from specjax.host_timing import HostTimes
 from specjax.kernels import KV_COMPACT_CHOICES, Kernels, choose_kv_compact, compact_shapes
 from specjax.kv_cache import init_cache
 from specjax.request import Request
@@ -124,7 +118,7 @@ def _as_rows(kind: str, x) -> np.ndarray:
     return x[:, None] if kind == "prefill" else np.swapaxes(x, 0, 1)
 
 
-class Engine:
+class Engine(GrammarSteps):
     def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
                  draft: Draft | None = None, mesh=None, sched: SchedulerOptions | None = None, grammar=None,
                  kv_compact_impl: str = "auto", attention: str | attn_lib.AttnImpl = "auto"):
@@ -205,6 +199,8 @@ class Engine:
         self._pending: deque[_Dispatched] = deque()
         self._updates: dict[int, StepUpdate] = {}
         self.replica = None  # multi-host, process 0: a specjax.multihost.Leader sending the commands below
+        self.masks = MaskBuilder(self._width(), self.opts.mask_threads)  # grammar masks, built on the host
+        self.host = HostTimes()
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
 
@@ -287,7 +283,8 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters for metrics: queue and slots, KV pages, prefix cache (hit rate = reused tokens /
-        looked-up tokens), prefilled tokens, preemptions."""
+        looked-up tokens), prefilled tokens, preemptions; host time of the loop by phase (host_*_s:
+        read, accept, masks, drafts, dispatch; host_step_s: all of step(), over host_steps steps)."""
         a, st = self.alloc, self.sched.prefix
         return {
             "queue_length": len(self.sched.queue),
@@ -306,6 +303,7 @@ class Engine:
             "prefix_cache_evictions": a.num_evicted,
             "prefill_tokens": st.prefill_tokens,
             "num_preempted": self.sched.num_preempted,
+            **self.host.stats(),  # host seconds by phase (specjax.host_timing)
         }
 
     def num_compiled(self) -> int:
@@ -327,21 +325,6 @@ class Engine:
                 return
             req.fail(why)
         self._report(req)
-
-    def _attach_grammar(self, req: Request) -> str | None:
-        from specjax.grammar import GrammarCompiler
-        if self._grammar is None:
-            return "constrained decoding needs a grammar compiler (Engine(grammar=...))"
-        if not isinstance(self._grammar, GrammarCompiler):
-            try:
-                self._grammar = self._grammar()  # built on first use
-            except Exception as e:  # noqa: BLE001 - e.g. a tokenizer xgrammar cannot read: fail the request
-                return f"cannot build the grammar compiler: {type(e).__name__}: {e}"
-        try:
-            req.grammar = self._grammar.matcher(req.params.constraint, list(req.eos_ids) or None)
-        except ValueError as e:  # GrammarError, or stop ids outside the vocabulary
-            return str(e)
-        return None
 
     def cancel(self, request_id: int) -> bool:
         """Cancel a queued or running request (finish_reason "cancelled"); its slot and pages are
@@ -375,6 +358,14 @@ class Engine:
     def step(self) -> list[StepUpdate]:
         """Admit, dispatch the next step, read the previous one. Returns the requests that got
         tokens or finished since the last call."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.host.steps += 1
+            self.host.step_s += time.perf_counter() - t0
+
+    def _step(self) -> list[StepUpdate]:
         if self.replica is not None:  # multi-host: the other processes take the same step
             self.replica.send("step")
         pieces = self.sched.plan_prefill()
@@ -454,19 +445,18 @@ class Engine:
         firsts = [pc for pc in pieces if pc.first]
         if firsts:
             self._admit_slots(firsts)
-        samplers = [(pc.slot, pc.req if pc.final else None) for pc in pieces]  # rows whose sample is used
-        mask = drafts = None
-        if any(r is not None and r.grammar is not None for _, r in samplers):
-            mask = self._next_masks(samplers, B)
-            drafts = self._grammar_drafts([(b, r) for b, (_, r) in enumerate(samplers)], B, tree=False)
-        flags = self._flags([r for _, r in samplers if r is not None])
+        samplers = [(b, pc.req) for b, pc in enumerate(pieces) if pc.final]  # rows whose sample is used
+        mask, drafts = self._prefill_grammar(samplers, B)  # the first token's masks (and grammar drafts)
+        flags = self._flags([r for _, r in samplers])
         rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
+        t0 = time.perf_counter()
         if self.draft is None:
             out, trees, self.state, self.samp = self.steps.prefill(self.weights, self.state, self.samp, rows, samp,
                                                                    mask, **flags)
         else:
             out, trees, self.state, self.samp = self.spec_steps.prefill(
                 self.weights, self.draft_weights, self.state, self.samp, rows, samp, mask, drafts, **flags)
+        self.host.add("dispatch", t0)
         finals = [(b, pc.slot, pc.req) for b, pc in enumerate(pieces) if pc.final]
         if finals:  # a call of unfinished prefills only has nothing to read
             self._push("prefill", out, trees, finals, 0)
@@ -501,27 +491,30 @@ class Engine:
         return penalties.penalty_params([r.params for _, r in group] + pad,
                                         [len(r.prompt_ids) for _, r in group] + [0] * len(pad))
 
-    def _dispatch(self, rows, masks=None) -> _Dispatched:
-        """One decode / fused speculative step over rows; masks(rows, B) builds grammar masks."""
+    def _dispatch(self, rows, grammar: bool = False) -> _Dispatched:
+        """One decode / fused speculative step over rows; grammar: with the masks (and grammar drafts)
+        of its constrained rows, computed first (the reference order, overlap off)."""
         slots, active = self.sched.row_slots(rows)
-        mask = None if masks is None else masks(rows, len(slots))
+        mask, drafts = self._step_grammar(rows, len(slots)) if grammar else (None, None)
         flags = self._flags([r for _, r in rows])
         if self.draft is not None:
             per_step = self.draft.spec.num_steps + 1
             # up to spec_steps_per_call steps (one program: the device loop ends when every row finished);
             # a grammar batch: one step, with the rows' grammar drafts
-            K = 1 if mask is not None else self._spec_steps(rows, per_step)
-            drafts = None if mask is None else self._grammar_drafts(list(enumerate(r for _, r in rows)), len(slots))
+            K = 1 if grammar else self._spec_steps(rows, per_step)
+            t0 = time.perf_counter()
             out, trees, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state, self.samp,
                                                           slots, active, mask, self._stop_rows(rows, len(slots)),
                                                           drafts, num_steps=K, **flags)
+            self.host.add("dispatch", t0)
             return self._push("spec", out, trees, _indexed(rows), K * per_step)
         spc = self.batch_opts.steps_per_call
-        K = 1 if mask is not None else min(spc, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, spc))
+        K = 1 if grammar else min(spc, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, spc))
+        t0 = time.perf_counter()
         out, _, self.state = self.steps.decode_many(self.weights, self.state, self.samp, slots, active, mask,
                                                     num_steps=K, **flags)
+        self.host.add("dispatch", t0)
         return self._push("decode", out, None, _indexed(rows), K)
-
 
     def _spec_steps(self, rows, per_step: int) -> int:
         """Fused steps for the next dispatch: spec_steps_per_call when every row can have the pages
@@ -544,80 +537,35 @@ class Engine:
             limit[b] = len(r.prompt_ids) + r.max_len - 1
         return prog.StopRows(ids, limit)
 
-    def _constrained_step(self, rows) -> _Dispatched | None:
-        if self.draft is not None and self.opts.overlap:
-            slots, active = self.sched.row_slots(rows)
-            verified, self.state = self.spec_steps.verify(self.weights, self.state, slots, active)
-            self._collect()  # step t (and prefills): tokens for the matchers, the trees being verified
-            mask = self._tree_masks(rows, len(slots))
-            drafts = self._grammar_drafts(list(enumerate(r for _, r in rows)), len(slots))
-            out, trees, self.state = self.spec_steps.finish(self.weights, self.draft_weights, self.state, verified,
-                                                            self.samp, slots, active, mask, drafts,
-                                                            **self._flags([r for _, r in rows]))
-            return self._push("spec", out, trees, _indexed(rows), self.draft.spec.num_steps + 1)
-        self._collect()
-        rows = self.sched.decoding()
-        if not rows:
-            return None
-        return self._dispatch(rows, self._next_masks if self.draft is None else self._tree_masks)
-
-    def _next_masks(self, rows, B: int) -> np.ndarray:
-        """[B, W] bitmasks of each row's next token (all ones for unconstrained rows)."""
-        mask = np.full((B, self._width()), -1, np.int32)  # fresh: the device may alias host memory
-        for b, (_, req) in enumerate(rows):  # req None: a row that samples nothing
-            if req is not None and req.grammar is not None and not req.finished:
-                req.grammar.next_mask(mask[b])
-        return mask
-
-    def _tree_masks(self, rows, B: int) -> np.ndarray:
-        """[B, N, W] bitmasks of the token after each node of each row's next tree."""
-        mask = np.full((B, self.draft.spec.num_nodes, self._width()), -1, np.int32)
-        for b, (_, req) in enumerate(rows):
-            if req.grammar is not None and not req.finished:
-                mask[b] = req.grammar.tree_masks(*req.tree)
-        return mask
-
-    def _grammar_drafts(self, rows, B: int, tree: bool = True) -> np.ndarray | None:
-        """The grammar's continuations (specjax.grammar_drafts) for rows [(batch row, request or None)]
-        of a batch of B rows: after each node of the row's next tree ([B, N, S + 1]), or (tree False)
-        after its sequence, for a prefill ([B, 1, S + 1]); -1 where there is none. None without a
-        draft model or head (the n-gram drafter takes none). SchedulerOptions(grammar_drafts=False):
-        all -1 (the same programs run, the trees are the draft's own)."""
-        if self.draft is None or not self.draft.info.has_model:
-            return None
-        from specjax.grammar_drafts import continuation, tree_drafts
-        S = self.draft.spec.num_steps
-        out = np.full((B, self.draft.spec.num_nodes if tree else 1, S + 1), -1, np.int32)
-        if not self.opts.grammar_drafts:
-            return out
-        for b, req in rows:
-            if req is None or req.grammar is None or req.finished:
-                continue
-            try:
-                if tree:
-                    out[b] = tree_drafts(req.grammar, *req.tree, S + 1)
-                else:
-                    continuation(req.grammar, S + 1, out=out[b, 0])
-            except Exception as e:  # noqa: BLE001 - drafts are optional: the row's trees stay the draft's
-                out[b] = -1
-                log.warning("grammar drafts of request %s skipped this step: %s: %s", req.id, type(e).__name__, e)
-        return out
-
-    def _width(self) -> int:
-        return (self.cfg.vocab_size + 31) // 32
-
     # -- results ----------------------------------------------------------------------------
     def _collect(self, keep: _Dispatched | None = None) -> None:
         """Deliver every dispatched output older than `keep` (all of them when None)."""
         while self._pending and self._pending[0] is not keep:
-            self._deliver(self._pending.popleft())
+            e = self._pending.popleft()
+            self._accept_all([(e, e.rows, self._read(e))])
 
-    def _deliver(self, e: _Dispatched) -> None:
+    def _read(self, e: _Dispatched) -> tuple:
+        """e's outputs on the host: (tokens, logprob, top logprobs, top ids, accepted counts, trees)."""
+        t0 = time.perf_counter()
         toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x).tolist()  # nested lists, once
                                      for x in (e.out.tokens, e.out.logprob, e.out.top_logprobs, e.out.top_ids))
         counts = _as_rows(e.kind, e.out.num_accepted).tolist() if e.kind == "spec" else None  # [B, K]
         trees = None if e.trees is None else tuple(np.asarray(t) for t in e.trees)
-        for b, slot, req, epoch in e.rows:
+        self.host.add("read", t0)
+        return toks, lp, top_lp, top_ids, counts, trees
+
+    def _accept_all(self, items) -> None:
+        """Deliver [(dispatched, its rows, its outputs read)] (host phase "accept")."""
+        t0 = time.perf_counter()
+        try:
+            for e, rows, read in items:
+                self._accept(e, rows, *read)
+        finally:
+            self.host.add("accept", t0)
+
+    def _accept(self, e: _Dispatched, rows, toks, lp, top_lp, top_ids, counts, trees) -> None:
+        """Deliver rows [(batch row, slot, request, epoch)] of e's outputs."""
+        for b, slot, req, epoch in rows:
             if counts is None:
                 ns = [len(toks[b])]
             else:  # K fused steps: row b emitted toks[b][k][:n_k]; n_k = 0 once it finished on the device

@@ -14,7 +14,8 @@ Flow for one request:
   (:meth:`RequestGrammar.accept`) and asks for the mask of the next token
   (:meth:`RequestGrammar.next_mask`) or, for speculative decoding, for one mask per node of a
   draft tree (:meth:`RequestGrammar.tree_masks`).
-* :func:`apply_bitmask` (pure ``jnp``) sets the logits of disallowed tokens to ``-inf``.
+* specjax.token_mask applies the masks on the device (``apply_bitmask``, re-exported here, sets the
+  logits of disallowed tokens to ``-inf``); specjax.grammar_masks builds a batch's masks.
 * specjax.grammar_drafts walks the matcher (:attr:`RequestGrammar.matcher`) for the text the
   grammar fixes, spelled with the compiler's token table (:attr:`GrammarCompiler.token_table`).
 
@@ -29,9 +30,9 @@ import re
 import threading
 from collections.abc import Iterable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+from specjax.token_mask import apply_bitmask  # noqa: F401 - the device op, re-exported here
 
 Constraint = tuple[str, str]  # (kind, canonical text), as SamplingParams.constraint returns it
 KINDS = ("json_schema", "regex", "grammar", "choice")
@@ -91,26 +92,6 @@ def mask_of_tokens(token_ids: Iterable[int], vocab_size: int) -> np.ndarray:
 
 def _allows(row: np.ndarray, token: int) -> bool:
     return bool((int(row[token >> 5]) >> (token & 31)) & 1)
-
-
-# ----------------------------------------------------------------------------- mask applier (jnp)
-
-def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
-    """logits [..., V] with every token not allowed by bitmask [..., W] int32 set to -inf.
-
-    Pure ``jnp`` with static shapes (jit-safe). Leading dimensions broadcast; a V that is not a
-    multiple of 32 is fine, and tokens >= 32*W are disallowed.
-    """
-    vocab = logits.shape[-1]
-    words = jax.lax.bitcast_convert_type(jnp.asarray(bitmask, jnp.int32), jnp.uint32)  # [..., W]
-    shifts = jnp.arange(32, dtype=jnp.uint32)
-    bits = (words[..., :, None] >> shifts) & jnp.uint32(1)  # [..., W, 32]
-    bits = bits.reshape(words.shape[:-1] + (32 * words.shape[-1],))  # [..., 32W]
-    if bits.shape[-1] >= vocab:
-        bits = bits[..., :vocab]
-    else:
-        bits = jnp.pad(bits, [(0, 0)] * (bits.ndim - 1) + [(0, vocab - bits.shape[-1])])
-    return jnp.where(bits.astype(bool), logits, jnp.asarray(-jnp.inf, logits.dtype))
 
 
 # ----------------------------------------------------------------------------- building grammars
@@ -238,32 +219,68 @@ class GrammarCompiler:
 
 # ----------------------------------------------------------------------------- per-request state
 
-def _sibling_links(parents: np.ndarray, skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """First-child / next-sibling arrays [N] int64 (-1 = none); children of skip[i] nodes are cut."""
-    n = parents.shape[0]
-    first = np.full(n, -1, np.int64)
-    sibling = np.full(n, -1, np.int64)
-    last = np.full(n, -1, np.int64)
+def tree_links(parents: np.ndarray, skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First-child / next-sibling arrays [R, N] int64 (-1 = none) of trees parents [R, N] (node i's
+    parent in [0, i)); the children of skip [R, N] nodes are cut. Vectorised over the R rows."""
+    R, n = parents.shape
+    first = np.full((R, n), -1, np.int64)
+    sibling = np.full((R, n), -1, np.int64)
+    last = np.full((R, n), -1, np.int64)
+    rows = np.arange(R)
     for i in range(1, n):
-        p = int(parents[i])
-        if skip[p]:
-            continue
-        if first[p] < 0:
-            first[p] = i
-        else:
-            sibling[last[p]] = i
-        last[p] = i
+        p = parents[:, i]
+        keep = ~skip[rows, p]
+        older = keep & (first[rows, p] >= 0)  # p has a child already: i is its last child's sibling
+        new = keep & ~older
+        first[rows[new], p[new]] = i
+        sibling[rows[older], last[rows[older], p[older]]] = i
+        last[rows[keep], p[keep]] = i
     return first, sibling
 
 
-def _check_tree(tokens: np.ndarray, parents: np.ndarray, vocab_size: int) -> None:
-    if tokens.ndim != 1 or parents.shape != tokens.shape or tokens.shape[0] < 1:
-        raise ValueError(f"tree_masks wants tokens [N] and parents [N], got {tokens.shape} and {parents.shape}")
-    n = tokens.shape[0]
-    if parents[0] != -1 or np.any(parents[1:] < 0) or np.any(parents[1:] >= np.arange(1, n)):
-        raise ValueError(f"parents must be -1 for node 0 and in [0, i) for node i, got {parents.tolist()}")
-    if np.any(tokens[1:] < 0) or np.any(tokens[1:] >= vocab_size):
-        raise ValueError(f"draft tokens must lie in [0, {vocab_size}), got {tokens.tolist()}")
+def _sibling_links(parents: np.ndarray, skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """tree_links of one tree: first-child / next-sibling arrays [N] int64 of parents [N]."""
+    first, sibling = tree_links(parents[None], skip[None])
+    return first[0], sibling[0]
+
+
+def bad_trees(tokens: np.ndarray, parents: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[R] bool: rows of tokens / parents [R, N] that are no tree (node 0 the root, parent of node i
+    in [0, i), draft tokens in the vocabulary)."""
+    n = tokens.shape[1]
+    bad = (parents[:, 0] != -1) | np.any(parents[:, 1:] < 0, axis=1) | np.any(parents[:, 1:] >= np.arange(1, n), axis=1)
+    return bad | np.any(tokens[:, 1:] < 0, axis=1) | np.any(tokens[:, 1:] >= vocab_size, axis=1)
+
+
+def settle_tree_masks(tokens: np.ndarray, parents: np.ndarray, stop: np.ndarray, terminated: np.ndarray,
+                      stop_masks: np.ndarray, out: np.ndarray) -> None:
+    """After the traversals: zero the rows of unreachable nodes (illegal after their parent, or
+    below such a node) and give stop-token nodes and the roots of terminated grammars the stop
+    masks. tokens, parents, stop [R, N]; terminated [R]; stop_masks [R, W]; out [R, N, W]."""
+    R, n = tokens.shape
+    rows = np.arange(R)
+    out[terminated, 0] = stop_masks[terminated]
+    legal = np.zeros((R, n), bool)
+    legal[:, 0] = True
+    for i in range(1, n):  # parents come first: their rows are final when a child reads them
+        p, t = parents[:, i], tokens[:, i]
+        word = out[rows, p, t >> 5]
+        legal[:, i] = legal[rows, p] & ((word >> (t & 31)) & 1).astype(bool)
+        out[~legal[:, i], i] = 0
+        s = legal[:, i] & stop[:, i]
+        out[s, i] = stop_masks[s]
+
+
+def stop_nodes(grammars, tokens: np.ndarray) -> np.ndarray:
+    """[R, N] bool: nodes holding one of their row's stop tokens (never the root)."""
+    stop = np.zeros(tokens.shape, bool)
+    groups: dict[tuple, list[int]] = {}
+    for r, g in enumerate(grammars):
+        groups.setdefault(g.stop_token_ids, []).append(r)
+    for ids, rs in groups.items():
+        stop[rs] = np.isin(tokens[rs], ids)
+    stop[:, 0] = False
+    return stop
 
 
 class RequestGrammar:
@@ -287,7 +304,7 @@ class RequestGrammar:
             raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size}), got {stops}")
         self._matcher = xg.GrammarMatcher(compiled, override_stop_tokens=stops)
         self.stop_token_ids = tuple(int(t) for t in self._matcher.stop_token_ids)
-        self._stop_mask = mask_of_tokens(self.stop_token_ids, self.vocab_size)  # [W]
+        self.stop_mask = mask_of_tokens(self.stop_token_ids, self.vocab_size)  # [W]
         self.num_accepted = 0
 
     @property
@@ -309,15 +326,29 @@ class RequestGrammar:
     def accept(self, tokens: Iterable[int]) -> None:
         """Advance by tokens the engine accepted. Stop tokens after termination are ignored; any
         other token the grammar forbids raises GrammarStateError (verification never accepts one)."""
-        for t in tokens:
+        tokens = [int(t) for t in tokens]
+        k, _ = self.advance(tokens)
+        for t in tokens[k:]:  # after the end
+            if t not in self.stop_token_ids:
+                raise GrammarStateError(f"grammar (terminated) rejected token {t} after {self.num_accepted} "
+                                        "accepted tokens; masked verification should never accept it")
+
+    def advance(self, tokens: Sequence[int]) -> tuple[int, bool]:
+        """Accept tokens up to the one that ends the grammar: (tokens taken, terminated). A token the
+        grammar forbids raises GrammarStateError (num_accepted counts the tokens taken before it).
+        Two matcher calls per token (the engine's accept path)."""
+        m = self._matcher
+        if m.is_terminated():
+            return 0, True
+        for i, t in enumerate(tokens):
             t = int(t)
-            if self.is_terminated and t in self.stop_token_ids:
-                continue
-            if self.is_terminated or not 0 <= t < self.vocab_size or not self._matcher.accept_token(t):
-                state = "terminated" if self.is_terminated else "active"
-                raise GrammarStateError(f"grammar ({state}) rejected token {t} after {self.num_accepted} "
+            if not 0 <= t < self.vocab_size or not m.accept_token(t):
+                raise GrammarStateError(f"grammar (active) rejected token {t} after {self.num_accepted} "
                                         "accepted tokens; masked verification should never accept it")
             self.num_accepted += 1
+            if m.is_terminated():
+                return i + 1, True
+        return len(tokens), False
 
     def next_mask(self, out: np.ndarray | None = None) -> np.ndarray:
         """Fill (and return) out [W] int32 with the tokens allowed next."""
@@ -327,7 +358,7 @@ class RequestGrammar:
             raise ValueError(f"out must be a contiguous int32 array of shape ({self.width},), got "
                              f"{out.dtype} {out.shape}")
         if self.is_terminated:
-            out[:] = self._stop_mask
+            out[:] = self.stop_mask
         else:
             self._matcher.fill_next_token_bitmask(out)
         return out
@@ -339,28 +370,39 @@ class RequestGrammar:
         matcher. A node whose token is illegal after its parent, and every node below it, gets an
         all-zero row; a node that accepts a stop token (the grammar ends there) allows only the
         stop tokens. The matcher's state is unchanged afterwards. ``native`` uses xgrammar's C++
-        traversal when it exists; False walks the tree in Python (accept + rollback).
+        traversal when it exists; False walks the tree in Python (accept + rollback). A batch of
+        rows: specjax.grammar_masks (the same steps, vectorised over the rows).
         """
         tokens = np.asarray(tokens).astype(np.int64)
         parents = np.asarray(parents).astype(np.int64)
-        _check_tree(tokens, parents, self.vocab_size)
-        n = tokens.shape[0]
-        out = np.zeros((n, self.width), np.int32)
-        stop = np.isin(tokens, self.stop_token_ids)
-        stop[0] = False
-        if not self.is_terminated:
-            first, sibling = _sibling_links(parents, stop)  # nothing is walked below a stop token
-            if native and hasattr(self._matcher, "traverse_draft_tree"):
-                self._matcher.traverse_draft_tree(first, sibling, tokens, out)
-            else:
-                self._walk(0, tokens, stop, first, sibling, out)
-        self._settle_rows(tokens, parents, stop, out)
-        return out
+        if tokens.ndim != 1 or parents.shape != tokens.shape or tokens.shape[0] < 1:
+            raise ValueError(f"tree_masks wants tokens [N] and parents [N], got {tokens.shape} and {parents.shape}")
+        if bad_trees(tokens[None], parents[None], self.vocab_size)[0]:
+            raise ValueError(f"not a draft tree: parents must be -1 for node 0 and in [0, i) for node i, draft "
+                             f"tokens in [0, {self.vocab_size}); got parents {parents.tolist()}, tokens {tokens.tolist()}")
+        out = np.zeros((1, tokens.shape[0], self.width), np.int32)
+        stop = stop_nodes([self], tokens[None])
+        first, sibling = tree_links(parents[None], stop)  # nothing is walked below a stop token
+        self.traverse(first[0], sibling[0], tokens, stop[0], out[0], native=native)
+        settle_tree_masks(tokens[None], parents[None], stop, np.array([self.is_terminated]), self.stop_mask[None], out)
+        return out[0]
+
+    def traverse(self, first: np.ndarray, sibling: np.ndarray, tokens: np.ndarray, stop: np.ndarray,
+                 out: np.ndarray, *, native: bool = True) -> None:
+        """Fill out [N, W] (zeros) with the masks of the tree's reachable non-stop nodes (first /
+        sibling links [N] int64 with stop nodes' children cut, tokens [N] int64, stop [N] bool);
+        nothing for a terminated grammar. The rest is settle_tree_masks' work."""
+        if self.is_terminated:
+            return
+        if native and hasattr(self._matcher, "traverse_draft_tree"):
+            self._matcher.traverse_draft_tree(first, sibling, tokens, out)
+        else:
+            self._walk(0, tokens, stop, first, sibling, out)
 
     def _walk(self, node: int, tokens: np.ndarray, stop: np.ndarray, first: np.ndarray,
               sibling: np.ndarray, out: np.ndarray) -> None:
         """Depth-first: fill node's row, then visit each non-stop child that the matcher accepts
-        (stop-token rows are written by _settle_rows)."""
+        (stop-token rows are written by settle_tree_masks)."""
         self._matcher.fill_next_token_bitmask(out, node)
         child = int(first[node])
         while child >= 0:
@@ -369,17 +411,3 @@ class RequestGrammar:
                 self._walk(child, tokens, stop, first, sibling, out)
                 self._matcher.rollback(1)
             child = int(sibling[child])
-
-    def _settle_rows(self, tokens: np.ndarray, parents: np.ndarray, stop: np.ndarray, out: np.ndarray) -> None:
-        """Zero the rows of unreachable nodes; give stop-token nodes (and a finished root) stop-only rows."""
-        if self.is_terminated:
-            out[0] = self._stop_mask
-        legal = np.zeros(tokens.shape[0], bool)
-        legal[0] = True
-        for i in range(1, tokens.shape[0]):
-            p = int(parents[i])
-            legal[i] = legal[p] and _allows(out[p], int(tokens[i]))
-            if not legal[i]:
-                out[i] = 0
-            elif stop[i]:
-                out[i] = self._stop_mask

@@ -12,7 +12,12 @@ of them per dispatch in one device loop, each row's stop ids and length limit (`
 the device after every step so that a finished row stops changing state, the loop ending once every
 row has finished) and split (`verify` | `finish`) so that a grammar batch can compute its tree masks on the host while
 the target forward runs. `verify` donates the state and hands it back with the tree's K/V written
-(no copy of the cache); `finish` takes it with the logits and the masks.
+(no copy of the cache); `finish` takes it with the logits and the masks. Plain decoding likewise:
+`decode_many` (num_steps steps in one program) and, for grammar batches, `forward` | `sample` (the
+forward of one step, then sampling with the masks computed meanwhile).
+
+Grammar masks (`mask`) are token_mask.RowMasks: the bitmasks of the constrained rows only, with
+their row indices (the row count bucketed: one executable per bucket); None without grammars.
 
 Grammar rows may also pass `drafts` (prefill: [B, 1, S + 1], step / finish: [B, N, S + 1] int32):
 the grammar's continuation after the prompt / after each node of the verified tree, which the
@@ -78,6 +83,9 @@ class PlainPrograms(NamedTuple):
     #                    -> (StepOut, None, state, samp_all)
     decode_many: Callable  # (w, state, samp_all, slots, active, mask, *, num_steps, want_logprobs, stochastic)
     #                        -> (StepOut with [K, B] fields, None, state); a mask needs num_steps == 1
+    forward: Callable  # (w, state, slots, active) -> (logits [B, V], state): decode_many(num_steps=1) = forward
+    sample: Callable  # (state, logits, samp_all, slots, active, mask, *, want_logprobs, stochastic)
+    #                   -> (StepOut with [1, B] fields, None, state)          ... then sample (grammar overlap)
 
 
 def plain_programs(graphdef, params) -> tuple[PlainPrograms, list]:
@@ -99,9 +107,20 @@ def plain_programs(graphdef, params) -> tuple[PlainPrograms, list]:
                                    stochastic=stochastic, token_mask=mask)
         return jax.tree.map(lambda x: x[None], out), None, state
 
+    def forward(w, state, slots, active):
+        return decode.decode_forward(nnx.merge(graphdef, unflat(w)), state, slots, active)
+
+    def sample(state, logits, samp_all, slots, active, mask, *, want_logprobs, stochastic):
+        positions = state.cache.seq_lens[jnp.minimum(slots, state.cache.seq_lens.shape[0] - 1)]  # advanced: L + 1
+        out, state = decode.decode_sample(state, logits, slots, active, _take_rows(samp_all, slots), positions,
+                                          want_logprobs, stochastic, token_mask=mask)
+        return jax.tree.map(lambda x: x[None], out), None, state
+
     return PlainPrograms(
         prefill=jax.jit(prefill, donate_argnums=(1, 2), static_argnames=_STATIC),
         decode_many=jax.jit(decode_many, donate_argnums=(1,), static_argnames=("num_steps",) + _STATIC),
+        forward=jax.jit(forward, donate_argnums=(1,)),
+        sample=jax.jit(sample, donate_argnums=(0,), static_argnames=_STATIC),
     ), weights
 
 

@@ -1,7 +1,8 @@
 """Host-side per-request bookkeeping: output tokens, detokenized text, stop conditions.
 
 Host work per delivered token is O(1) in the output length: tokens arrive in bursts (one engine
-step's tokens, `Request.extend`), stop ids and the length limit are found in the burst, and the
+step's tokens, `Request.extend`), stop ids, the length limit and the grammar's end (its matcher fed
+token by token within the one call) are found in the burst, and the
 text is decoded incrementally (specjax.detokenize) only where it is needed: stop strings (searched
 in the new text only), streaming deltas and the final output."""
 from __future__ import annotations
@@ -93,11 +94,6 @@ class Request:
         host work proportional to the new tokens. Returns whether the request has finished."""
         if self.finished:
             return True
-        if self.grammar is not None and len(tokens) > 1:  # the matcher decides token by token
-            for i in range(len(tokens)):
-                if self.extend(tokens[i: i + 1], logprobs and logprobs[i: i + 1], tops and tops[i: i + 1]):
-                    break
-            return self.finished
         start = len(self.token_ids)
         room = max(self.max_len - start, 1)
         n, reason = len(tokens), None
@@ -105,13 +101,11 @@ class Request:
             n, reason = room, "length"
         if not self.stop_ids.isdisjoint(tokens[:n]):
             n, reason = next(i for i in range(n) if tokens[i] in self.stop_ids) + 1, "stop"
-        self.token_ids.extend(map(int, tokens[:n]))
         if self.grammar is not None and n:
-            if not self._advance_grammar(tokens[0]):
-                self._add_logprobs(logprobs, tops, 1)
-                return True
-            if self.grammar.is_terminated:
-                reason = "stop"
+            n, reason, error = self._advance_grammar(tokens, n, reason)
+            if error is not None:
+                return self._grammar_failed(tokens, n, logprobs, tops, error)
+        self.token_ids.extend(map(int, tokens[:n]))
         if self.params.stop and n:
             n, reason = self._stop_strings(start, n, reason)
         self._add_logprobs(logprobs, tops, n)
@@ -159,14 +153,35 @@ class Request:
         hits = [i for i in (recent.find(s) for s in self.params.stop) if i >= 0]
         return lo + min(hits) if hits else None
 
-    def _advance_grammar(self, token: int) -> bool:
+    def _advance_grammar(self, tokens, n: int, reason: str | None) -> tuple[int, str | None, str | None]:
+        """Feed tokens[:n] to the matcher, which decides token by token: (n, reason, error), cut at
+        the token that terminates the grammar (reason "stop") or at the one it fails on (error: why)."""
         from specjax.grammar import GrammarStateError
+        g = self.grammar
+        before = g.num_accepted
         try:
-            self.grammar.accept([token])
-            return True
+            k, ended = g.advance(tokens[:n])
         except GrammarStateError as e:  # masked decoding never gets here; fail this request only
-            self.fail(str(e))
-            return False
+            return g.num_accepted - before + 1, None, str(e)
+        except Exception as e:  # noqa: BLE001 - the matcher itself broke: this request fails, no other
+            return g.num_accepted - before + 1, None, f"grammar error during generation: {type(e).__name__}: {e}"
+        return (k, "stop", None) if ended else (n, reason, None)
+
+    def _grammar_failed(self, tokens, n: int, logprobs, tops, error: str) -> bool:
+        """The grammar failed on tokens[n - 1]: the request fails with it as its last token, unless a
+        stop string ends the output before (as when the tokens arrive one at a time)."""
+        start = len(self.token_ids)
+        self.token_ids.extend(map(int, tokens[: n - 1]))
+        if self.params.stop and n > 1:
+            kept, reason = self._stop_strings(start, n - 1, None)
+            if reason == "stop":
+                self._add_logprobs(logprobs, tops, kept)
+                self.finish_reason = reason
+                return True
+        self.token_ids.append(int(tokens[n - 1]))
+        self._add_logprobs(logprobs, tops, n)
+        self.fail(error)
+        return True
 
     def final_text(self) -> str:
         self._detok.update()

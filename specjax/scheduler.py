@@ -44,10 +44,11 @@ MIN_PREFILL_LEN = 16  # prefill lengths are padded to a power of two >= this
 @dataclasses.dataclass(frozen=True)
 class SchedulerOptions:
     async_loop: bool = True  # dispatch step t+1 before reading step t (False: the synchronous reference)
-    overlap: bool = True  # grammar + speculation: compute tree masks while the target forward runs
+    overlap: bool = True  # grammars: compute the masks while the target forward runs (plain and speculative)
     grammar_drafts: bool = True  # grammar + speculation with a draft model / head: draft the grammar's
     #                              continuations into the trees (specjax.grammar_drafts; the n-gram drafter
     #                              takes none)
+    mask_threads: int | None = None  # host threads for grammar masks (None: grammar_masks.default_threads())
 
 
 def slot_pages(entries: int, page_size: int) -> int:

@@ -68,6 +68,7 @@ from specjax.kernels import Kernels
 from specjax.kv_cache import KVCache, meta_at
 from specjax.penalties import PenaltyParams, PenaltyState
 from specjax.sampling import SamplingArrays
+from specjax.token_mask import apply_token_mask
 from specjax.tree import SpecConfig
 
 _DRAFT_SEED_SALT = 0x5BD1E995  # draft sampling uses its own random stream
@@ -396,7 +397,8 @@ def verify_forward(info: DraftInfo, spec: SpecConfig, target, state: SpecState, 
 def accept(spec: SpecConfig, state: SpecState, ver: Verified, slots, active, samp, want_logprobs, stochastic,
            token_mask=None, kernels: Kernels = Kernels()) -> Accepted:
     """Acceptance (greedy or rejection sampling) and compaction of the accepted path.
-    token_mask: optional [B, N, W] int32 grammar bitmask of the tokens allowed after each node.
+    token_mask: optional grammar masks of the tokens allowed after each node: token_mask.RowMasks
+    (bits [R, N, W] of some rows) or a dense [B, N, W] int32 bitmask.
     kernels: the implementations chosen by the caller (default: the jnp references).
     With state.penalties, the logits after each node are penalised first (counts + the node's path)."""
     rs, active = _rows(state, slots, active)
@@ -407,9 +409,7 @@ def accept(spec: SpecConfig, state: SpecState, ver: Verified, slots, active, sam
     logits = ver.logits
     if state.penalties is not None:
         logits = pen_lib.apply(logits, pen_lib.rows(state.penalties, rs), pen_lib.tree_path_tokens(tree))
-    if token_mask is not None:
-        from specjax.grammar import apply_bitmask
-        logits = apply_bitmask(logits, token_mask)
+    logits = apply_token_mask(logits, token_mask)  # grammar: the constrained rows only (token_mask.RowMasks)
     q = state.draft_probs[rs] if (stochastic and state.draft_probs is not None) else None
     acc, n, bonus = verify.verify_tree(tree, logits, samp, L, draft_probs=q, stochastic=stochastic)
     n = n * act  # [B]; acc [B, S + 1]

@@ -1,8 +1,11 @@
 """Grammar-constrained decoding through the engine, on a tiny random model whose 97 tokens are
 characters (so xgrammar works on them without a real tokenizer): plain decoding matches a
-brute-force reference (dense forward + a fresh matcher per step); plain, chain and tree speculation,
-async or sync loop, overlap on or off all give the same tokens; constrained and unconstrained rows
-mix in a batch; a bad constraint fails only its request; preemption keeps the grammar state."""
+brute-force reference (dense forward + a fresh matcher per step); plain (forward | sample with the
+masks computed meanwhile, or masks first), chain and tree speculation, async or sync loop, overlap
+on or off all give the same tokens; constrained and unconstrained rows mix in a batch (the
+unconstrained ones give what they give alone); a bad constraint, or a grammar whose matcher breaks
+mid-way (in the masks or in accepting tokens), fails only its request; preemption keeps the grammar
+state."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +19,7 @@ import pytest
 from helpers import tiny_config, tiny_model
 from specjax.drafter import DraftInfo
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
-from specjax.grammar import GrammarCompiler
+from specjax.grammar import GrammarCompiler, RequestGrammar
 from specjax.request import Request
 from specjax.sampling_params import SamplingParams
 from specjax.scheduler import SchedulerOptions
@@ -157,12 +160,13 @@ def test_plain_constrained_matches_brute_force(world, reference):
 
 @pytest.mark.parametrize("draft,sched", [
     (None, SchedulerOptions()),
+    (None, SchedulerOptions(overlap=False)),
     (("self", 3, 1, None), SchedulerOptions()),
     (("other", 3, 2, 5), SchedulerOptions()),
     (("other", 3, 2, 5), SchedulerOptions(overlap=False)),
     (("self", 2, 2, 4), SchedulerOptions(async_loop=False, overlap=False)),
     (("eagle3", 3, 2, 5), SchedulerOptions()),
-], ids=["plain-async", "chain-self", "tree-overlap", "tree-no-overlap", "tree-self-sync", "eagle3-tree"])
+], ids=["plain-async", "plain-no-overlap", "chain-self", "tree-overlap", "tree-no-overlap", "tree-self-sync", "eagle3-tree"])
 def test_speculation_and_loops_agree(world, reference, draft, sched):
     outs = run(make_engine(world, draft, sched=sched), world[5], CONSTRAINTS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
@@ -236,3 +240,71 @@ def test_grammar_drafts_are_accepted(world, draft, sched):
     assert on[0].accept_len_mean == draft[1] + 1
     on_tau, off_tau = [o.accept_len_mean for o in on], [o.accept_len_mean for o in off]
     assert on_tau[0] >= off_tau[0] + 1.0 and all(a > b for a, b in zip(on_tau, off_tau)), (on_tau, off_tau)
+
+
+class FaultyGrammar(RequestGrammar):
+    """A request's grammar whose matcher breaks after `after` accepted tokens: from then on the
+    calls named in `fail` raise (mask filling / tree traversal, or accepting tokens)."""
+
+    def __init__(self, compiled, after: int, fail: tuple[str, ...]):
+        super().__init__(compiled, [EOS])
+        self.after, self.fail = after, fail
+
+    def advance(self, tokens):
+        out = super().advance(tokens)
+        if self.num_accepted >= self.after and not isinstance(self._matcher, _Broken):
+            self._matcher = _Broken(self._matcher, self.fail)
+        return out
+
+
+class _Broken:
+    def __init__(self, real, fail):
+        self.real, self.fail = real, set(fail)
+
+    def __getattr__(self, name):
+        if name == "_handle" and self.fail:  # xgrammar's batched calls take the handle: they fail too
+            raise RuntimeError("injected matcher fault in _handle")
+        if name in self.fail:
+            def boom(*a, **k):
+                raise RuntimeError(f"injected matcher fault in {name}")
+            return boom
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("draft,sched", [
+    (None, SchedulerOptions()),
+    (None, SchedulerOptions(overlap=False)),
+    (("other", 3, 2, 5), SchedulerOptions()),
+], ids=["plain-overlap", "plain-no-overlap", "tree-overlap"])
+def test_grammar_fault_fails_only_its_request(world, reference, draft, sched):
+    """Request 0 (JSON schema) breaks while its masks are computed, request 3 (EBNF) while accepting
+    tokens: both fail with the reason, after some tokens; the others give the reference tokens; no
+    slot or page is left behind (run checks); the host phases were timed."""
+    eng = make_engine(world, draft, sched=sched)
+    compiler, prompts = world[4], world[5]
+    before = eng.stats()
+    reqs = [Request(i, None, p, SamplingParams(max_tokens=60, temperature=0.0, **c), CharTokenizer(), (EOS,),
+                    MAX_SEQ, 0) for i, (p, c) in enumerate(zip(prompts, CONSTRAINTS))]
+    fill = ("fill_next_token_bitmask", "traverse_draft_tree")
+    reqs[0].grammar = FaultyGrammar(compiler.compile(reqs[0].params.constraint), 4, fill)
+    reqs[3].grammar = FaultyGrammar(compiler.compile(reqs[3].params.constraint), 3, ("accept_token",))
+    eng.run(reqs)
+    assert all(s is None for s in eng.slots) and eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1
+    for i, phase in ((0, "fill_next_token_bitmask" if draft is None else "traverse_draft_tree"), (3, "accept_token")):
+        o = reqs[i].output()
+        assert o.finish_reason == "error" and f"injected matcher fault in {phase}" in o.error, (i, o.error)
+        assert o.token_ids == reference[i].token_ids[: len(o.token_ids)] and len(o.token_ids) >= 3
+    for i in (1, 2, 4, 5, 6, 7):
+        o = reqs[i].output()
+        assert o.token_ids == reference[i].token_ids and o.error is None, i
+    after = eng.stats()
+    for phase in ("read", "accept", "masks", "dispatch", "step"):
+        assert after[f"host_{phase}_s"] > before[f"host_{phase}_s"], phase
+    assert after["host_steps"] > before["host_steps"]
+
+
+def test_unconstrained_rows_as_alone(world, reference):
+    """The unconstrained rows of the constrained batch (one token per step there) give the tokens
+    they give in a batch without grammars (steps_per_call tokens per dispatch)."""
+    outs = run(make_engine(world), [world[5][4], world[5][7]], [{}, {}])
+    assert [o.token_ids for o in outs] == [reference[4].token_ids, reference[7].token_ids]

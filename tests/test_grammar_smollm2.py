@@ -1,7 +1,8 @@
 """Grammar-constrained generation with the real SmolLM2-135M-Instruct (float32) through LLM: JSON
 schema outputs (nested objects, enums, arrays, bounded numbers) parse and validate, regex and
-choice hold; tree speculation (a 2-layer draft cut from the model itself) gives the plain tokens
-with the grammar overlap on and off; streaming deltas concatenate to the text; bad requests fail
+choice hold; plain decoding gives the same tokens with the grammar overlap on and off; tree
+speculation (a 2-layer draft cut from the model itself) gives the plain tokens with the grammar
+overlap on and off; streaming deltas concatenate to the text; bad requests fail
 alone; the CLI turns --json-schema / --regex / --grammar / --choice and per-line keys into
 constraints."""
 from __future__ import annotations
@@ -105,6 +106,20 @@ def test_tree_speculation_with_grammars_equals_plain(llm, prompts, plain):
     spec.engine.opts = SchedulerOptions(overlap=False)  # reference: masks first, then the fused step
     again = spec.generate(prompts, [params(i) for i in range(4)])
     assert [o.token_ids for o in again] == [o.token_ids for o in plain]
+
+
+def test_plain_overlap_off_gives_the_same_tokens(llm, prompts, plain):
+    """Plain constrained decoding with the masks computed first (overlap off: one fused step with
+    them) gives the tokens of the overlapped loop (forward | sample), for a JSON schema and a regex."""
+    llm.engine.opts = SchedulerOptions(overlap=False)
+    try:  # the JSON output's first 40 tokens (greedy: the same whatever max_tokens) and the whole date,
+        #     one at a time (one mask row: one program to compile)
+        got = [llm.generate([prompts[i]], [p])[0] for i, p in
+               ((0, SamplingParams(max_tokens=40, temperature=0.0, json_schema=SCHEMA)), (1, params(1)))]
+    finally:
+        llm.engine.opts = SchedulerOptions()
+    assert got[0].token_ids == plain[0].token_ids[:40] and got[1].token_ids == plain[1].token_ids
+    assert got[0].finish_reason == "length" and got[1].finish_reason == "stop"
 
 
 def test_streaming_deltas_concatenate(llm, prompts, plain):
