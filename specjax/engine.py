@@ -201,6 +201,7 @@ class Engine(GrammarSteps):
         self.replica = None  # multi-host, process 0: a specjax.multihost.Leader sending the commands below
         self.masks = MaskBuilder(self._width(), self.opts.mask_threads)  # grammar masks, built on the host
         self.host = HostTimes()
+        self._prefill_shapes: set[tuple[int, int]] = set()  # (rows, length) of the prefills dispatched
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
 
@@ -428,8 +429,8 @@ class Engine(GrammarSteps):
     # -- dispatch ---------------------------------------------------------------------------
     def _prefill(self, pieces: list[Piece]):
         self._push_page_table()
-        T = self.sched.prefill_len(max(p.end - p.start for p in pieces))
         B = bucket(len(pieces), 1, self.batch_opts.max_batch)
+        T = self._prefill_len(B, self.sched.prefill_len(max(p.end - p.start for p in pieces)))
         tokens = np.zeros((B, T), np.int32)
         start, lens, next_ids = (np.zeros(B, np.int32) for _ in range(3))
         final = np.zeros(B, bool)
@@ -460,6 +461,17 @@ class Engine(GrammarSteps):
         finals = [(b, pc.slot, pc.req) for b, pc in enumerate(pieces) if pc.final]
         if finals:  # a call of unfinished prefills only has nothing to read
             self._push("prefill", out, trees, finals, 0)
+
+    def _prefill_len(self, B: int, T: int) -> int:
+        """The padded length of a prefill of B rows needing T: a length already dispatched for B rows
+        up to 4x T (within the prefill token budget) instead of a new program. Prefix-cache hits make
+        the rows of a repeated batch shorter than the first time; this way a second identical call
+        compiles nothing."""
+        done = [t for b, t in self._prefill_shapes
+                if b == B and T <= t <= 4 * T and B * t <= self.batch_opts.max_prefill_tokens]
+        T = min(done, default=T)
+        self._prefill_shapes.add((B, T))
+        return T
 
     def _admit_slots(self, firsts: list[Piece]):
         """The per-slot state of newly admitted slots that needs their whole sequence (a piece may
@@ -499,7 +511,7 @@ class Engine(GrammarSteps):
         flags = self._flags([r for _, r in rows])
         if self.draft is not None:
             per_step = self.draft.spec.num_steps + 1
-            # up to spec_steps_per_call steps (one program: the device loop ends when every row finished);
+            # spec_steps_per_call steps in one program (a row that finishes stops changing state);
             # a grammar batch: one step, with the rows' grammar drafts
             K = 1 if grammar else self._spec_steps(rows, per_step)
             t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Compilation happens once: an identical batch of requests run again compiles nothing (no new
 executable of the engine's programs, no XLA compilation at all), for plain and speculative
-decoding, greedy and sampling, with logprobs and penalties; with prefix caching, after the run
-whose prefills are shortened by cache hits. (Across processes: tests/test_compile_cache.py.)"""
+decoding, greedy and sampling, with logprobs and penalties; with prefix caching too, whose cache
+hits shorten the prefills of the repeated batch. (Across processes: tests/test_compile_cache.py.)"""
 from __future__ import annotations
 
 import jax
@@ -51,8 +51,8 @@ def test_second_identical_run_compiles_nothing(world, spec):
     """Plain, prefix caching off: greedy with logprobs beside sampling with a penalty (the per-slot
     penalty state is created on the way, between the programs' calls); the second identical run
     compiles nothing. Speculative (a draft of the target itself, greedy) with prefix caching on (the
-    default): the second run finds the prompts' pages cached and prefills only the rest, a shorter
-    prefill that compiles once (new prefill executables only); the third run compiles nothing."""
+    default): the second run finds the prompts' pages cached and prefills only the rest, padded to the
+    prefill length the first run compiled (Engine._prefill_len); neither it nor a third run compiles."""
     cfg, model, prompts = world
     draft = Draft(model, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=2)) if spec else None
     eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, prefix_cache=spec),
@@ -68,17 +68,12 @@ def test_second_identical_run_compiles_nothing(world, spec):
         return [r.token_ids for r in reqs]
 
     first = run()
-    compiled, prefills = eng.num_compiled(), programs.prefill._cache_size()
+    compiled = eng.num_compiled()
     assert compiled >= 2
-    with CompileCounter() as c:
-        second = run()
-    assert second == first
-    if spec:  # prefix-cache hits: shorter prefills, compiled once
-        assert eng.stats()["prefix_cache_hit_tokens"] > 0
-        assert eng.num_compiled() - compiled == programs.prefill._cache_size() - prefills, \
-            "the second identical run compiled a new program other than a prefill"
-        compiled = eng.num_compiled()
+    for _ in range(2):  # with prefix caching the second run's prefills are shorter: they reuse a program
         with CompileCounter() as c:
             assert run() == first
-    assert eng.num_compiled() == compiled, "an identical run compiled a new program"
-    assert c.n == 0, f"an identical run compiled {c.n} XLA executables"
+        assert eng.num_compiled() == compiled, "an identical run compiled a new program"
+        assert c.n == 0, f"an identical run compiled {c.n} XLA executables"
+    if spec:
+        assert eng.stats()["prefix_cache_hit_tokens"] > 0
