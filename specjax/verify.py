@@ -34,12 +34,13 @@ Implementation
 --------------
 A ``scan`` over the ``tree.max_depth + 1`` levels (the last one only stops the rows that reached
 the deepest level). At each level the current node's logits are gathered and filtered once
-([B, V] sort), then a ``fori_loop`` runs over the index range of the next depth's nodes (from
-``tree.depth``; nodes are ordered by depth): those whose parent is the current node are tried,
-the others are no-ops. For point masses the residual is kept unnormalised together with its
-mass, so a loop step is O(1) per row (zero one entry, subtract its probability); with
-``draft_probs`` a loop step is O(V). In total ``D + 1`` sorts of [B, V] and about ``N`` loop
-steps (a chain: one per level), one program body each, so the compile stays small.
+([B, V] sort), then all children of the current node are tried at once: for point masses the
+k-th child is accepted iff ``u_k * mass_k < p_k`` (``p_k`` its token's probability, 0 for a token an
+earlier sibling carried; ``mass_k`` what the k - 1 rejections before it left), and the first such
+child is taken; with sampled proposals (``draft_probs``) the children are tried one after another,
+an O(V) residual update each, in a loop of static length (1 for a chain, whose max_depth is N - 1;
+N - 1 otherwise). Every loop has a static length: XLA on GPUs reads the condition of
+a data-dependent loop on the host at every iteration.
 
 Randomness is a pure function of (seed, root position, depth, child rank): the uniform that
 decides the ``k``-th child tried at depth ``d`` comes from
@@ -89,61 +90,59 @@ def _uniform(keys, rank):
     return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(_fold(keys, rank))
 
 
-def _column(x, c):
-    """x[:, c] for a traced c (x [B, N, ...]) -> [B, ...]."""
-    return jax.lax.dynamic_index_in_dim(x, c, axis=1, keepdims=False)
-
-
-def _level_bounds(depth, d):
-    """Scalar node-index range [lo, hi) holding every node of depth d in every row (nodes are
-    ordered by depth); lo >= hi when there is none."""
-    n = depth.shape[1]
-    idx = jnp.arange(n, dtype=jnp.int32)[None, :]
-    here = depth == d  # [B, N]
-    return jnp.min(jnp.where(here, idx, n)), jnp.max(jnp.where(here, idx + 1, 0))
-
-
-def _try_children(tree: Tree, cur, p, keys, draft_probs, d):
+def _try_children(tree: Tree, cur, p, keys, draft_probs, max_children):
     """Try the children of ``cur`` [B] (a node of depth d) in node order, starting from the
     residual p [B, V].
 
-    keys [B]: this depth's acceptance keys (the child's rank is folded in here). Returns
+    keys [B]: this depth's acceptance keys (the child's rank is folded in here). max_children
+    (static): an upper bound on any node's children (None: one, a chain). Returns
     (found [B] bool, child [B] int32, residual [B, V] unnormalised, mass [B] float32 = its total);
     residual/mass are what is left after the rejections: the bonus law when nothing was accepted.
     """
-    b = tree.tokens.shape[0]
+    b, n = tree.tokens.shape
     rows = jnp.arange(b)
+    is_child = tree.parents == cur[:, None]  # [B, N] (the root's parent is -1)
+    total = jnp.sum(p, axis=-1)  # [B]
+    if draft_probs is not None:  # sampled proposals: the children one after another
+        rank = jnp.cumsum(is_child, axis=1, dtype=jnp.int32) - 1  # [B, N]
 
-    def body(c, carry):
-        res, mass, rank, found, child = carry
-        tok = _column(tree.tokens, c)  # [B]
-        tried = (_column(tree.parents, c) == cur) & ~found  # [B]
-        u = _uniform(keys, rank)  # [B]
-        p_tok = res[rows, tok]  # [B] unnormalised: the probability is p_tok / mass
-        if draft_probs is None:  # point mass on tok: accept with probability p(tok)
-            accept = tried & (u * mass < p_tok)
-            reject = tried & ~accept
-            res = res.at[rows, tok].set(jnp.where(reject, 0.0, p_tok))
-            mass = jnp.where(reject, jnp.maximum(mass - p_tok, 0.0), mass)
-        else:  # accept with probability min(1, p(tok) / q(tok)), i.e. u * q * mass < p_tok
-            q = _column(draft_probs, c)  # [B, V]
-            q_tok = q[rows, tok]
-            accept = tried & (u * q_tok * mass < p_tok)
+        def body(k, carry):  # the k-th child of cur, where a row has one
+            res, mass, found, child = carry
+            kth = is_child & (rank == k)  # [B, N]
+            c = jnp.argmax(kth, axis=1).astype(jnp.int32)  # [B]
+            tok = tree.tokens[rows, c]
+            tried = jnp.any(kth, axis=1) & ~found  # [B]
+            u = _uniform(keys, jnp.full((b,), k, jnp.int32))
+            q = draft_probs[rows, c]  # [B, V]
+            accept = tried & (u * q[rows, tok] * mass < res[rows, tok])  # min(1, p / q)
             reject = tried & ~accept
             left = jnp.maximum(res - q * mass[:, None], 0.0)  # [B, V] = mass * max(p - q, 0)
             left_mass = jnp.sum(left, axis=-1)  # [B]
             ok = reject & (left_mass > 0)  # zero residual (p <= q everywhere): keep p
             res = jnp.where(ok[:, None], left / jnp.where(ok, left_mass, 1.0)[:, None], res)
-            mass = jnp.where(ok, 1.0, mass)
-        rank = rank + tried.astype(jnp.int32)
-        child = jnp.where(accept, c, child)
-        return res, mass, rank, found | accept, child
+            return res, jnp.where(ok, 1.0, mass), found | accept, jnp.where(accept, c, child)
 
-    zeros = jnp.zeros((b,), jnp.int32)
-    carry = (p, jnp.sum(p, axis=-1), zeros, jnp.zeros((b,), bool), zeros)
-    lo, hi = _level_bounds(tree.depth, d + 1)
-    res, mass, _, found, child = jax.lax.fori_loop(lo, hi, body, carry)
-    return found, child, res, mass
+        # a chain (max_depth = N - 1) has one child per node; a tree at most N - 1: a static count
+        tries = 1 if max_children is None else max_children
+        res, mass, found, child = jax.lax.fori_loop(
+            0, tries, body, (p, total, jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32)))
+        return found, child, res, mass
+    # point masses: the k-th child (node order) is tried after the k before it were rejected, each
+    # rejection removing its token from the residual; so it is accepted iff u_k * mass_k < p_k, with
+    # p_k = p(tok_k) (0 for a token an earlier sibling carried) and mass_k = total - p_1 - .. - p_{k-1};
+    # the first such child is taken. All children at once: no loop over a data-dependent range.
+    tok = tree.tokens  # [B, N]
+    rank = jnp.cumsum(is_child, axis=1, dtype=jnp.int32) - 1  # [B, N] the child's rank among its siblings
+    earlier = jnp.tril(jnp.ones((n, n), bool), -1)  # [N, N] j < c
+    dup = jnp.any(earlier[None] & is_child[:, None, :] & (tok[:, :, None] == tok[:, None, :]), axis=-1)  # [B, N]
+    p_k = jnp.where(is_child & ~dup, p[rows[:, None], tok], 0.0)  # [B, N]
+    mass_k = jnp.maximum(total[:, None] - (jnp.cumsum(p_k, axis=1) - p_k), 0.0)  # [B, N]
+    u = jax.vmap(lambda r: _uniform(keys, r), in_axes=1, out_axes=1)(jnp.maximum(rank, 0))  # [B, N]
+    accept = is_child & (u * mass_k < p_k)  # [B, N]
+    found = jnp.any(accept, axis=1)
+    child = jnp.where(found, jnp.argmax(accept, axis=1), 0).astype(jnp.int32)
+    res = p.at[rows[:, None], tok].multiply(jnp.where(is_child, 0.0, 1.0))  # every child's token removed
+    return found, child, res, jnp.maximum(total - jnp.sum(p_k, axis=1), 0.0)
 
 
 def _sample_bonus(keys, probs):
@@ -176,6 +175,7 @@ def verify_tree(tree: Tree, target_logits, samp: SamplingArrays, root_pos, *, dr
         return g_idx, g_num, g_bonus
 
     rows = jnp.arange(b)
+    max_children = None if tree.max_depth == n - 1 else n - 1  # a chain (max_depth known): one child per node
     base = _base_keys(samp.seed, root_pos)  # [B]
     accept_keys = _fold(base, ACCEPT_TAG)
 
@@ -183,7 +183,7 @@ def verify_tree(tree: Tree, target_logits, samp: SamplingArrays, root_pos, *, dr
         """One depth: filter the current node's logits, try its children, move or stop."""
         cur, alive, count, final = carry
         p = filtered_probs(target_logits[rows, cur], samp)  # [B, V]
-        found, child, res, mass = _try_children(tree, cur, p, _fold(accept_keys, d + 1), draft_probs, d)
+        found, child, res, mass = _try_children(tree, cur, p, _fold(accept_keys, d + 1), draft_probs, max_children)
         stop = alive & ~found  # every child rejected, or a leaf: the bonus comes from the residual
         usable = (mass > 0) & (jnp.sum(res, axis=-1) > 0)  # guard: an empty residual falls back to p
         final = jnp.where(stop[:, None], jnp.where(usable[:, None], res, p), final)
