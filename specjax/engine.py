@@ -105,6 +105,7 @@ class _Dispatched:
     trees: tuple | None  # speculative: the rows' next trees (tokens, parents [B, N])
     rows: list[tuple[int, int, Request, int]]  # (row, slot, request, its epoch at dispatch)
     advance: int  # positions per row counted in the scheduler's `inflight`
+    sure: int = 0  # tokens per row counted in the scheduler's `sure` (each step gives >= 1 or finishes)
 
 
 def _indexed(rows):
@@ -383,7 +384,7 @@ class Engine(GrammarSteps):
                      f"{self.alloc.page_size} tokens even alone (raise num_pages)")
             self._report(req)
         newest = None
-        rows = self.sched.decoding()
+        rows = self.sched.stepping()
         if rows:
             self._push_page_table()
             if any(r.grammar is not None for _, r in rows):
@@ -420,9 +421,11 @@ class Engine(GrammarSteps):
         """rows: (batch row, slot, request) of the rows whose outputs the host reads."""
         for x in jax.tree.leaves((out, trees)):
             x.copy_to_host_async()
-        entry = _Dispatched(kind, out, trees, [(b, s, r, r.epoch) for b, s, r in rows], advance)
+        sure = 1 if kind == "prefill" else advance // (self.draft.spec.num_steps + 1 if kind == "spec" else 1)
+        entry = _Dispatched(kind, out, trees, [(b, s, r, r.epoch) for b, s, r in rows], advance, sure)
         for _, s, _ in rows:
             self.sched.inflight[s] += advance
+            self.sched.sure[s] += sure
         self._pending.append(entry)
         return entry
 
@@ -585,6 +588,7 @@ class Engine(GrammarSteps):
             n = sum(ns)
             if self.sched.slots[slot] is req and req.epoch == epoch:  # host mirror of the device length
                 self.sched.inflight[slot] -= e.advance
+                self.sched.sure[slot] -= e.sure
                 self.sched.lens[slot] += 0 if e.kind == "prefill" else n
             if req.finished or req.epoch != epoch:
                 continue  # computed after the request finished, was cancelled or preempted: dropped

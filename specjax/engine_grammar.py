@@ -89,7 +89,7 @@ class GrammarSteps:
         not masked."""
         if not self.opts.overlap:
             self._collect()
-            rows = self.sched.decoding()
+            rows = self.sched.stepping()  # (every step read: = decoding())
             return self._dispatch(rows, grammar=True) if rows else None
         slots, active = self.sched.row_slots(rows)
         flags = self._flags([r for _, r in rows])

@@ -4,7 +4,8 @@
 Lengths: `lens[slot]` is the slot's device sequence length after the last step whose results the
 host has read; `inflight[slot]` is the most that the dispatched but unread steps may add to it (the
 one-step-behind loop reserves pages for step t+1 before it reads step t, so it reserves for the
-upper bound lens + inflight + ahead).
+upper bound lens + inflight + ahead); `sure[slot]` is the fewest tokens those steps give the slot's
+request (or it finished): a request they certainly finish is left out of the next step (`stepping`).
 
 Capacity: a slot addresses `capacity` cache entries, max_seq_len plus `tail` rounded up to pages. A
 speculative step writes its draft tree (node i at cache index L + i, while it sits at position
@@ -113,6 +114,7 @@ class Scheduler:
         self.slots: list[Request | None] = [None] * max_batch
         self.lens = np.zeros(max_batch, np.int64)
         self.inflight = np.zeros(max_batch, np.int64)
+        self.sure = np.zeros(max_batch, np.int64)  # tokens the unread steps give each slot at least
         self.num_preempted = 0
         self._arrivals = itertools.count()
         # slots whose prefill is not complete: slot -> (ids, page keys, pages registered so far)
@@ -126,6 +128,12 @@ class Scheduler:
     def decoding(self) -> list[tuple[int, Request]]:
         """The running slots whose prefill is complete (they take part in decode steps)."""
         return [(i, r) for i, r in enumerate(self.slots) if r is not None and i not in self.prefilling]
+
+    def stepping(self) -> list[tuple[int, Request]]:
+        """The decoding slots the next step can still give tokens: not those whose dispatched steps
+        certainly finish them (at least `sure` more tokens reach max_len; the host reads one step
+        behind, so such a row would otherwise run a whole step past its end)."""
+        return [(i, r) for i, r in self.decoding() if len(r.token_ids) + self.sure[i] < r.max_len]
 
     @property
     def chunk(self) -> int:
@@ -191,7 +199,7 @@ class Scheduler:
         self.slots[slot] = None
         self.alloc.release(slot)
         self.prefilling.pop(slot, None)
-        self.lens[slot] = self.inflight[slot] = 0
+        self.lens[slot] = self.inflight[slot] = self.sure[slot] = 0
 
     def plan_prefill(self) -> list[Piece]:
         """The pieces of this step's prefill call: the next chunk of each unfinished prefill (oldest
@@ -238,7 +246,7 @@ class Scheduler:
             free.pop(0)
             self.slots[slot] = req
             req.slot = slot
-            self.inflight[slot] = 0
+            self.inflight[slot] = self.sure[slot] = 0
             if not req.num_preempted:
                 req.num_cached_tokens = start
             self.prefilling[slot] = (ids, keys, len(shared))

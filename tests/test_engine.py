@@ -288,6 +288,25 @@ def test_single_slot_engine_and_steps_per_call(setup, steps_per_call):
     assert [r.token_ids for r in reqs] == greedy_tokens[:4]
 
 
+def test_no_step_past_a_certain_end(setup):
+    """The host reads one step behind; a request that the dispatched steps certainly finish (at
+    least `sure` more tokens reach max_tokens) is not stepped again: 16 tokens at 8 steps per
+    dispatch take the prefill and two decode dispatches (a third ran past the end before)."""
+    cfg, model, prompts = setup[0], setup[1], setup[2]
+    eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ),
+                 BatchOptions(max_batch=1, steps_per_call=8), jnp.float32)
+    calls = []
+    decode = eng.steps.decode_many
+    eng.steps = eng.steps._replace(decode_many=lambda *a, **kw: calls.append(kw["num_steps"]) or decode(*a, **kw))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    alone = run(eng, make_requests(prompts[:1], params))
+    assert calls == [8, 8] and len(alone[0].token_ids) == 16
+    calls.clear()
+    both = run(eng, make_requests(prompts[:2], params))  # the second waits for the slot: no idle dispatch
+    assert calls == [8, 8, 8, 8] and both[0].token_ids == alone[0].token_ids
+    assert int(eng.sched.sure.sum()) == 0 and int(eng.sched.inflight.sum()) == 0
+
+
 def test_cache_too_small_fails_the_request_instead_of_hanging(setup):
     """A request that can never fit the cache fails on its own (finish_reason "error"); one that
     fits runs normally beside it."""
