@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grammar_faults import BrokenMatcher
 from helpers import tiny_config, tiny_model
 from specjax.drafter import DraftInfo
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
@@ -252,23 +253,9 @@ class FaultyGrammar(RequestGrammar):
 
     def advance(self, tokens):
         out = super().advance(tokens)
-        if self.num_accepted >= self.after and not isinstance(self._matcher, _Broken):
-            self._matcher = _Broken(self._matcher, self.fail)
+        if self.num_accepted >= self.after and not isinstance(self._matcher, BrokenMatcher):
+            self._matcher = BrokenMatcher(self._matcher, self.fail)
         return out
-
-
-class _Broken:
-    def __init__(self, real, fail):
-        self.real, self.fail = real, set(fail)
-
-    def __getattr__(self, name):
-        if name == "_handle" and self.fail:  # xgrammar's batched calls take the handle: they fail too
-            raise RuntimeError("injected matcher fault in _handle")
-        if name in self.fail:
-            def boom(*a, **k):
-                raise RuntimeError(f"injected matcher fault in {name}")
-            return boom
-        return getattr(self.real, name)
 
 
 @pytest.mark.parametrize("draft,sched", [

@@ -17,6 +17,7 @@ from specjax.sampling_params import SamplingParams
 from specjax.token_mask import RowMasks, apply_bitmask, apply_token_mask, rows_bucket
 
 xgrammar = pytest.importorskip("xgrammar")
+from grammar_faults import BrokenMatcher  # noqa: E402
 from test_grammar_engine import EOS, SCHEMA, VOCAB, CharTokenizer  # noqa: E402
 
 V, W = 97, 4
@@ -27,24 +28,6 @@ KEYS = [SamplingParams(json_schema=SCHEMA).constraint, ("regex", r"[a-f]{2,5}(-[
 @pytest.fixture(scope="module")
 def compiler():
     return GrammarCompiler(xgrammar.TokenizerInfo(VOCAB, vocab_size=V, stop_token_ids=[EOS]), V)
-
-
-class Broken:
-    """A matcher stand-in whose methods in `fail` raise (a matcher xgrammar cannot go on with);
-    the others reach the real matcher."""
-
-    def __init__(self, real, fail=("is_terminated", "fill_next_token_bitmask", "traverse_draft_tree",
-                                   "accept_token", "rollback", "is_completed")):
-        self.real, self.fail = real, set(fail)
-
-    def __getattr__(self, name):
-        if name == "_handle" and self.fail:  # xgrammar's batched calls take the handle: they fail too
-            raise RuntimeError("injected matcher fault in _handle")
-        if name in self.fail:
-            def boom(*a, **k):
-                raise RuntimeError(f"injected matcher fault in {name}")
-            return boom
-        return getattr(self.real, name)
 
 
 def walk(compiler, rng, k, steps):
@@ -143,8 +126,8 @@ def test_a_raising_grammar_fails_its_row_only(compiler, where):
     trees = [random_tree(rng, g, 5) for g in grammars]
     ref = [g.next_mask().copy() for g in grammars] if where == "next" else \
         [g.tree_masks(*t) for g, t in zip(grammars, trees)]
-    grammars[1]._matcher = Broken(grammars[1]._matcher, fail=("fill_next_token_bitmask", "traverse_draft_tree"))
-    grammars[3]._matcher = Broken(grammars[3]._matcher)  # every call raises, is_terminated too
+    grammars[1]._matcher = BrokenMatcher(grammars[1]._matcher, fail=("fill_next_token_bitmask", "traverse_draft_tree"))
+    grammars[3]._matcher = BrokenMatcher(grammars[3]._matcher)  # every call raises, is_terminated too
     other = GrammarCompiler(xgrammar.TokenizerInfo(VOCAB + ["x"] * 40, vocab_size=137, stop_token_ids=[EOS]), 137)
     grammars.append(other.matcher(KEYS[1], [EOS]))  # a vocabulary that does not match the model's
     trees.append(trees[0])
@@ -207,7 +190,7 @@ def test_burst_accept_equals_one_at_a_time(compiler, k, stop, bad_at, reason):
 def test_matcher_fault_in_accept_fails_the_request(compiler):
     req = _request(compiler, 1)
     req.extend([VOCAB.index("a")])
-    req.grammar._matcher = Broken(req.grammar._matcher, fail=("accept_token",))
+    req.grammar._matcher = BrokenMatcher(req.grammar._matcher, fail=("accept_token",))
     assert req.extend([VOCAB.index("b"), VOCAB.index("c")])
     assert req.finish_reason == "error" and "injected matcher fault" in req.error
     assert req.token_ids == [VOCAB.index("a"), VOCAB.index("b")]
