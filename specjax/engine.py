@@ -417,15 +417,15 @@ class Engine(GrammarSteps):
         return dict(want_logprobs=any(r.logprobs is not None for r in reqs),
                     stochastic=any(r.params.temperature > 0 for r in reqs))
 
-    def _push(self, kind, out, trees, rows, advance) -> _Dispatched:
-        """rows: (batch row, slot, request) of the rows whose outputs the host reads."""
+    def _push(self, kind, out, trees, rows, advance, steps) -> _Dispatched:
+        """rows: (batch row, slot, request) of the rows whose outputs the host reads; advance: cache
+        entries a row may gain; steps: steps run (each gives an unfinished row >= 1 token)."""
         for x in jax.tree.leaves((out, trees)):
             x.copy_to_host_async()
-        sure = 1 if kind == "prefill" else advance // (self.draft.spec.num_steps + 1 if kind == "spec" else 1)
-        entry = _Dispatched(kind, out, trees, [(b, s, r, r.epoch) for b, s, r in rows], advance, sure)
+        entry = _Dispatched(kind, out, trees, [(b, s, r, r.epoch) for b, s, r in rows], advance, steps)
         for _, s, _ in rows:
             self.sched.inflight[s] += advance
-            self.sched.sure[s] += sure
+            self.sched.sure[s] += steps
         self._pending.append(entry)
         return entry
 
@@ -463,7 +463,7 @@ class Engine(GrammarSteps):
         self.host.add("dispatch", t0)
         finals = [(b, pc.slot, pc.req) for b, pc in enumerate(pieces) if pc.final]
         if finals:  # a call of unfinished prefills only has nothing to read
-            self._push("prefill", out, trees, finals, 0)
+            self._push("prefill", out, trees, finals, 0, 1)
 
     def _prefill_len(self, B: int, T: int) -> int:
         """The padded length of a prefill of B rows needing T: a length already dispatched for B rows
@@ -522,14 +522,14 @@ class Engine(GrammarSteps):
                                                           slots, active, mask, self._stop_rows(rows, len(slots)),
                                                           drafts, num_steps=K, **flags)
             self.host.add("dispatch", t0)
-            return self._push("spec", out, trees, _indexed(rows), K * per_step)
+            return self._push("spec", out, trees, _indexed(rows), K * per_step, K)
         spc = self.batch_opts.steps_per_call
         K = 1 if grammar else min(spc, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, spc))
         t0 = time.perf_counter()
         out, _, self.state = self.steps.decode_many(self.weights, self.state, self.samp, slots, active, mask,
                                                     num_steps=K, **flags)
         self.host.add("dispatch", t0)
-        return self._push("decode", out, None, _indexed(rows), K)
+        return self._push("decode", out, None, _indexed(rows), K, K)
 
     def _spec_steps(self, rows, per_step: int) -> int:
         """Fused steps for the next dispatch: spec_steps_per_call when every row can have the pages

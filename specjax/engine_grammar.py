@@ -107,12 +107,12 @@ class GrammarSteps:
             out, trees, self.state = self.spec_steps.finish(self.weights, self.draft_weights, self.state, verified,
                                                             self.samp, slots, active, mask, drafts, **flags)
             self.host.add("dispatch", t0)
-            entry = self._push("spec", out, trees, indexed, self.draft.spec.num_steps + 1)
+            entry = self._push("spec", out, trees, indexed, self.draft.spec.num_steps + 1, 1)
         else:
             t0 = time.perf_counter()
             out, _, self.state = self.steps.sample(self.state, logits, self.samp, slots, active, mask, **flags)
             self.host.add("dispatch", t0)
-            entry = self._push("decode", out, None, indexed, 1)
+            entry = self._push("decode", out, None, indexed, 1, 1)
         self._accept_all(later)  # the unconstrained rows of step t, while step t+1 runs
         return entry
 
