@@ -192,6 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--scenarios", default=None, help="comma-separated scenario names to run (default: all)")
     p.add_argument("--no-plain", action="store_true", help="skip the plain-decoding rows")
     p.add_argument("--json", help="append the rows as JSON lines to this file")
+    p.add_argument("--attention", default="auto", help="paged-attention implementation (specjax.attention)")
     p.add_argument("--spec-steps-per-call", default=None,
                    help="comma list K: run the unconstrained speculative scenarios once per K (fused steps per dispatch)")
     a = p.parse_args(argv)
@@ -207,7 +208,8 @@ def main(argv=None) -> int:
     if jax.default_backend() == "cpu":
         print("note: on the CPU a program runs (partly) inside its dispatch call, which counts as host time: "
               "device time and bubble are not meaningful here (GPU figures only)", flush=True)
-    llm = LLM(a.model, dtype=a.dtype, max_batch=max(batches), max_seq_len=a.max_seq_len, draft=draft, spec=spec)
+    llm = LLM(a.model, dtype=a.dtype, max_batch=max(batches), max_seq_len=a.max_seq_len, draft=draft, spec=spec,
+              attention=a.attention)
     plans = [("spec fused", None, ASYNC), ("spec fused sync", None, SYNC), ("spec any overlap", "any", ASYNC),
              ("spec any no-overlap", "any", NO_OVERLAP), ("spec json overlap", "json", ASYNC),
              ("spec json no-drafts", "json", NO_DRAFTS), ("spec json no-overlap", "json", NO_OVERLAP)]

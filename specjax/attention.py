@@ -71,21 +71,29 @@ def _tuning(impl: AttnImpl) -> dict:
     return dict(kw, interpret=impl.interpret)
 
 
+def _lowered_once(kernel):
+    """A kernel wrapper as a jitted function: every call site with the same shapes (the layers of a
+    model, the steps of a loop) shares one lowering. Called inline, each call site lowered the kernel
+    again into its own copy: 30 layers made the engine's decode program take 24 s and its prefill
+    36 s to compile on an H100 (SmolLM2, Mosaic GPU; docs/benchmarks.md)."""
+    return jax.jit(kernel, static_argnames=("sliding_window",))
+
+
 def _pallas(impl):
     from pallas_kernels.paged_attention_pallas import paged_attention_pallas
-    return functools.partial(paged_attention_pallas, **_tuning(impl))
+    return _lowered_once(functools.partial(paged_attention_pallas, **_tuning(impl)))
 
 
 def _mosaic(impl):
     from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
-    return functools.partial(paged_attention_mosaic, **_tuning(impl))
+    return _lowered_once(functools.partial(paged_attention_mosaic, **_tuning(impl)))
 
 
 def _tpu(impl):
     from pallas_kernels.paged_attention_tpu import paged_attention_tpu
     kw = _tuning(impl)
     kw.pop("num_splits", None)  # one TensorCore walks a row's pages in order: no splits
-    return functools.partial(paged_attention_tpu, **kw)
+    return _lowered_once(functools.partial(paged_attention_tpu, **kw))
 
 
 _FACTORIES = {  # name -> (AttnImpl -> function with the reference's signature)
@@ -100,9 +108,13 @@ _FACTORIES = {  # name -> (AttnImpl -> function with the reference's signature)
 def register(name: str, factory) -> None:
     """Plug in an implementation: factory(AttnImpl) -> function with the reference's signature."""
     _FACTORIES[name] = factory
+    implementation.cache_clear()
 
 
+@functools.lru_cache(maxsize=None)
 def implementation(impl: AttnImpl):
+    """The function of impl (one object per AttnImpl, so that jitted kernels are traced and lowered
+    once however many layers call them)."""
     if impl.name not in _FACTORIES:
         raise ValueError(f"unknown attention implementation {impl.name!r}; known: {sorted(_FACTORIES)}")
     return _FACTORIES[impl.name](impl)

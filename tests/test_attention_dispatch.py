@@ -123,21 +123,27 @@ def test_attend_dispatches_on_the_static_impl():
 
 
 def test_plain_steps_run_the_configured_kernel(monkeypatch):
-    """The kernel a model was configured with is what its programs trace (no global state)."""
+    """The kernel a model was configured with is what its programs trace (no global state), once for
+    all the layers (one shared lowering)."""
     from pallas_kernels import paged_attention_pallas as pap
     calls = []
     real = pap.paged_attention_pallas
     monkeypatch.setattr(pap, "paged_attention_pallas", lambda *a, **k: calls.append(k) or real(*a, **k))
-    cfg = tiny_config()
-    model = attention.configure(tiny_model(cfg), AttnImpl("pallas", interpret=True, block_kv=16))
-    steps, w = decode.compile_steps(*nnx.split(model))
-    cache = init_cache(cfg, num_pages=9, page_size=4, max_slots=2, max_seq_len=16, dtype=jnp.float32)
-    cache.page_table = jnp.asarray(np.arange(1, 9, dtype=np.int32).reshape(2, 4))
-    state = decode.DecodeState(cache, jnp.zeros((2,), jnp.int32))
-    tokens = jnp.asarray([[5, 6, 7, 0], [8, 9, 0, 0]], jnp.int32)
-    out, state = steps.prefill(w, state, tokens, jnp.asarray([3, 2], jnp.int32), jnp.arange(2, dtype=jnp.int32),
-                               None, stochastic=False)
-    assert len(calls) == cfg.num_layers and all(k.get("block_kv") == 16 and k.get("interpret") for k in calls)
+    attention.implementation.cache_clear()  # built again with the patched kernel
+    try:
+        cfg = tiny_config()
+        model = attention.configure(tiny_model(cfg), AttnImpl("pallas", interpret=True, block_kv=16))
+        steps, w = decode.compile_steps(*nnx.split(model))
+        cache = init_cache(cfg, num_pages=9, page_size=4, max_slots=2, max_seq_len=16, dtype=jnp.float32)
+        cache.page_table = jnp.asarray(np.arange(1, 9, dtype=np.int32).reshape(2, 4))
+        state = decode.DecodeState(cache, jnp.zeros((2,), jnp.int32))
+        tokens = jnp.asarray([[5, 6, 7, 0], [8, 9, 0, 0]], jnp.int32)
+        out, state = steps.prefill(w, state, tokens, jnp.asarray([3, 2], jnp.int32),
+                                   jnp.arange(2, dtype=jnp.int32), None, stochastic=False)
+    finally:
+        attention.implementation.cache_clear()  # the patched kernel is not kept for other tests
+    assert cfg.num_layers > 1 and len(calls) == 1
+    assert calls[0].get("block_kv") == 16 and calls[0].get("interpret")
     assert np.asarray(out.tokens).shape == (2,)
 
 

@@ -131,6 +131,29 @@ def test_mosaic_lowers_for_cuda(T, tree, window):
     assert "mosaic_gpu" in text
 
 
+def test_layers_share_one_kernel_lowering():
+    """The dispatch point's kernel is lowered once for all the call sites of a program with the same
+    shapes (a model's layers): the module of 4 layers holds the kernel's body once, as the module of
+    1 layer does (inlined at each call site, each layer had its own copy, and the engine's programs
+    took tens of seconds to compile on the GPU)."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from specjax import attention
+    kernel = attention.implementation(attention.AttnImpl("mosaic_gpu"))
+    assert attention.implementation(attention.AttnImpl("mosaic_gpu")) is kernel
+
+    def layers(n):
+        def f(q, kv, pt, q_start, kv_len):
+            for _ in range(n):
+                q = kernel(q, kv, pt, q_start, kv_len, None, sliding_window=None, mask_start=None).astype(q.dtype)
+            return q
+        return export.export(jax.jit(f), platforms=("cuda",))(*_engine_shapes(jnp.bfloat16, 1, False)[:5]).mlir_module()
+
+    one, four = layers(1), layers(4)
+    assert one.count("mosaic_gpu") > 0
+    assert four.count("mosaic_gpu") == one.count("mosaic_gpu")
+    assert len(four) < 1.2 * len(one)
+
+
 def test_kernels_reject_what_they_cannot_serve():
     from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
     from pallas_kernels.paged_attention_tpu import paged_attention_tpu
