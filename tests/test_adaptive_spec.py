@@ -167,11 +167,24 @@ def test_switching_equals_plain(world, plain, kind):
         assert spy and not any(lite for lite, _ in spy)
 
 
-def test_policy():
+def test_policy(tmp_path):
+    """The threshold: lite steps from speculate_below rows; LLM(speculate_below=...) resolved from
+    the draft's measurements ("auto"), checked, and refused without a draft."""
+    import json
+
+    from specjax.llm import resolve_speculate_below
     assert not runs_lite(7, 8) and runs_lite(8, 8) and runs_lite(64, 8) and not runs_lite(64, None)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="speculate_below"):
             BatchOptions(speculate_below=bad)
+        with pytest.raises(ValueError, match="speculate_below"):
+            resolve_speculate_below(bad, "self")
+    (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": {"1": {"num_steps": 4}, "8": "plain"}}))
+    assert resolve_speculate_below("auto", str(tmp_path)) == 8
+    assert resolve_speculate_below(None, str(tmp_path)) is None and resolve_speculate_below(4, str(tmp_path)) == 4
+    assert resolve_speculate_below("auto", "self") is None and resolve_speculate_below("auto", None) is None
+    with pytest.raises(ValueError, match="needs speculative decoding"):
+        resolve_speculate_below(4, None)
 
 
 # ----------------------------------------------------------------------------- sampling law
