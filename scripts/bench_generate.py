@@ -79,7 +79,7 @@ def timed(llm, ids, params, profile: int = 0):
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
     st = llm.stats()
-    counts = {f"{k}_{w}": st[f"{k}_{w}"] - st0[f"{k}_{w}"] for k in KINDS for w in ("dispatches", "steps")}
+    counts = {f"{k}_{w}": st[f"{k}_{w}"] - st0[f"{k}_{w}"] for k in KINDS for w in ("dispatches", "dispatch_steps")}
     return dict(seconds=s, tokens=n, tok_s=n / s, compiles=_compiles[0] - c0, **counts), outs
 
 
@@ -102,7 +102,7 @@ def run(llm, B, a, spec: bool):
                 third_compiles=third["compiles"], tok_s=round(max(second["tok_s"], third["tok_s"]), 1),
                 tok_s_second=round(second["tok_s"], 1), tok_s_third=round(third["tok_s"], 1), tau=tau,
                 speculate_below=llm.engine.batch_opts.speculate_below if spec else None,
-                **{k: v for k, v in third.items() if k.endswith(("_dispatches", "_steps"))})
+                **{k: v for k, v in third.items() if k.endswith(("_dispatches", "_dispatch_steps"))})
 
 
 def main(argv=None) -> int:
@@ -155,7 +155,8 @@ def main(argv=None) -> int:
         ratio = f"{r['spec_over_plain']:.2f}" if "spec_over_plain" in r else "-"
         disp = "/".join(str(r[f"{k}_dispatches"]) for k in KINDS)
         print(f"{r['batch']:>4} {r['kind']:6} {r['tok_s']:>9.1f} {tau:>5} {ratio:>10} "
-              f"{r['first_compiles']:>5}/{r['second_compiles']}/{r['third_compiles']:<5} {r['first_s']:>8.2f} {disp:>28}")
+              f"{r['first_compiles']:>5}/{r['second_compiles']}/{r['third_compiles']:<5} {r['first_s']:>8.2f} "
+              f"{disp:>28}")
     return 0
 
 

@@ -324,7 +324,7 @@ class Engine(GrammarSteps):
             "num_preempted": self.sched.num_preempted,
             **self.host.stats(),  # host seconds by phase (specjax.host_timing)
             **{f"{k}_dispatches": v for k, v in self.dispatches.items()},
-            **{f"{k}_steps": v for k, v in self.dispatched_steps.items()},
+            **{f"{k}_dispatch_steps": v for k, v in self.dispatched_steps.items()},
         }
 
     def num_compiled(self) -> int:

@@ -183,7 +183,8 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
               stochastic, lite=False):
         samp = _take_rows(samp_all, slots)
         rs = jnp.minimum(slots, state.cache.seq_lens.shape[0] - 1)
-        assert (mask is None and drafts is None) or (num_steps == 1 and not lite), "grammar masks / drafts: one fused step"
+        assert (mask is None and drafts is None) or (num_steps == 1 and not lite), \
+            "grammar masks / drafts: one fused step"
 
         def one(state, act):  # one fused (or lite) step; rows finished by it are inactive for the next ones
             if lite:
