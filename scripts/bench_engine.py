@@ -35,6 +35,11 @@ tokens/s, speculative and plain; JSON tau (accepted tokens per step) >= 0.8x the
         --scenarios "spec fused,plain"                  # a CPU smoke run on a small model
     python scripts/bench_engine.py --dtype float32 --batch 1 --max-tokens 48 --no-plain \
         --scenarios "spec fused,spec json overlap,spec json no-drafts"   # tau with / without grammar drafts
+    python scripts/bench_engine.py --batch 1,8,32 --scenarios "spec fused,plain" --speculate-below 8
+
+--speculate-below N: the speculative engine runs lite steps (plain decoding that keeps the draft in
+sync, specjax.dispatch_plan) for batches of >= N rows (default: always fused steps, the draft's
+measurements ignored); each row reports the measured run's decode dispatches by kind.
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from specjax import LLM, SamplingParams  # noqa: E402
+from specjax.cli import speculate_below_arg  # noqa: E402
 from specjax.scheduler import SchedulerOptions  # noqa: E402
 
 JSON_SCHEMA = {
@@ -146,6 +152,7 @@ def scenario(llm, name, prompts, grammar, sched, max_tokens):
     reqs = llm._requests(prompts, params)
     for r in reqs:
         eng.add_request(r)
+    st0 = eng.stats()
     spans, toks, full, progs, host = [], [], [], [], [dict(eng.host.seconds)]
     with DeviceTimeline(eng) as tl:
         t_all = time.perf_counter()
@@ -159,6 +166,8 @@ def scenario(llm, name, prompts, grammar, sched, max_tokens):
             toks.append(sum(len(u.token_ids) for u in ups))
             full.append(sum(r is not None for r in eng.slots) == B)
         run_s = time.perf_counter() - t_all
+    st = eng.stats()
+    kinds = {f"{k}_dispatches": st[f"{k}_dispatches"] - st0[f"{k}_dispatches"] for k in ("spec", "lite", "decode")}
     steady = [i for i in range(2, len(spans)) if full[i] and full[i - 1]]
     wall_s = sum(spans[i][1] - spans[i][0] for i in steady)
     dev_s = sum(tl.busy_within(*spans[i]) for i in steady)  # device busy during the steady steps
@@ -173,7 +182,7 @@ def scenario(llm, name, prompts, grammar, sched, max_tokens):
                 tok_s=sum(toks[i] for i in steady) / wall_s if n else float("nan"), tok_s_run=sum(toks) / run_s,
                 tokens_per_step=sum(toks[i] for i in steady) / max(1, n),
                 accept_len_mean=float(np.mean(taus)) if taus else float("nan"),
-                finished_stop=sum(r.finish_reason == "stop" for r in reqs),
+                finished_stop=sum(r.finish_reason == "stop" for r in reqs), **kinds,
                 **{f"host_{p}_ms": v for p, v in phase_ms.items()})
 
 
@@ -193,6 +202,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-plain", action="store_true", help="skip the plain-decoding rows")
     p.add_argument("--json", help="append the rows as JSON lines to this file")
     p.add_argument("--attention", default="auto", help="paged-attention implementation (specjax.attention)")
+    p.add_argument("--speculate-below", type=speculate_below_arg, default=None,
+                   help="lite steps for batches of >= N rows (default: always fused steps; 'auto': the draft's "
+                   "measured spec_defaults)")
     p.add_argument("--spec-steps-per-call", default=None,
                    help="comma list K: run the unconstrained speculative scenarios once per K (fused steps per dispatch)")
     a = p.parse_args(argv)
@@ -209,7 +221,7 @@ def main(argv=None) -> int:
         print("note: on the CPU a program runs (partly) inside its dispatch call, which counts as host time: "
               "device time and bubble are not meaningful here (GPU figures only)", flush=True)
     llm = LLM(a.model, dtype=a.dtype, max_batch=max(batches), max_seq_len=a.max_seq_len, draft=draft, spec=spec,
-              attention=a.attention)
+              attention=a.attention, speculate_below=a.speculate_below)
     plans = [("spec fused", None, ASYNC), ("spec fused sync", None, SYNC), ("spec any overlap", "any", ASYNC),
              ("spec any no-overlap", "any", NO_OVERLAP), ("spec json overlap", "json", ASYNC),
              ("spec json no-drafts", "json", NO_DRAFTS), ("spec json no-overlap", "json", NO_OVERLAP)]
@@ -244,10 +256,12 @@ def main(argv=None) -> int:
                 f.write(json.dumps(r) + "\n")
 
     print(f"\n{'scenario':22} {'B':>3} {'wall ms':>8} {'dev ms':>8} {'bubble':>7} {'tok/s':>9} {'tok/step':>8} "
-          f"{'tau':>5} {'steps':>5}")
+          f"{'tau':>5} {'steps':>5} {'spec/lite/decode':>17}")
     for r in rows:
+        disp = "/".join(str(r[f"{k}_dispatches"]) for k in ("spec", "lite", "decode"))
         print(f"{r['name']:22} {r['batch']:>3} {r['wall_ms']:>8.3f} {r['device_ms']:>8.3f} {100 * r['bubble']:>6.1f}% "
-              f"{r['tok_s']:>9.1f} {r['tokens_per_step']:>8.2f} {r['accept_len_mean']:>5.2f} {r['steady_steps']:>5}")
+              f"{r['tok_s']:>9.1f} {r['tokens_per_step']:>8.2f} {r['accept_len_mean']:>5.2f} {r['steady_steps']:>5} "
+              f"{disp:>17}")
     cols = PHASES + ("other",)
     print(f"\nhost ms per steady step, by phase\n{'scenario':22} {'B':>3} " + " ".join(f"{c:>8}" for c in cols))
     for r in rows:

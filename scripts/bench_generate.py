@@ -4,9 +4,12 @@ For each batch B: B prompts (MT-bench-like chat messages built in this script), 
 tokens each with EOS ignored (equal work), `max_batch` = B. Call 1 compiles; calls 2 and 3 are timed
 and the number of XLA compilations during each is counted (a second identical call must compile
 nothing). Reports tokens/s of the timed calls, mean accepted tokens per speculative step (tau), and
-spec / plain.
+spec / plain, and the speculative engine's decode dispatches of the last timed call by kind (fused
+speculative "spec" / "lite": plain steps that keep the draft in sync, for batches of
+>= --speculate-below rows; specjax.dispatch_plan).
 
     python3 scripts/bench_generate.py --batch 1,8,32,64 --max-tokens 128
+    python3 scripts/bench_generate.py --batch 1,8,32,64 --max-tokens 128 --no-plain --speculate-below 8
     python3 scripts/bench_generate.py --batch 512 --max-tokens 256 --temperature 0.7 --no-spec --profile 25
     python3 scripts/bench_generate.py --model DIR --draft self --dtype float32 --batch 2 --max-tokens 16  # CPU smoke
 
@@ -29,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from specjax import LLM, SamplingParams  # noqa: E402
+from specjax.cli import speculate_below_arg  # noqa: E402
 
 SUBJECTS = ["a city at night", "the history of bread", "how vaccines work", "a letter to a friend",
             "sorting algorithms", "the water cycle", "a job interview", "renewable energy", "a short mystery",
@@ -57,8 +61,12 @@ def prompts(llm, B: int) -> list[list[int]]:
     return out
 
 
+KINDS = ("spec", "lite", "decode")
+
+
 def timed(llm, ids, params, profile: int = 0):
     c0 = _compiles[0]
+    st0 = llm.stats()
     prof = cProfile.Profile() if profile else None
     t = time.perf_counter()
     if prof:
@@ -70,7 +78,9 @@ def timed(llm, ids, params, profile: int = 0):
     n = sum(len(o.token_ids) for o in outs)
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
-    return dict(seconds=s, tokens=n, tok_s=n / s, compiles=_compiles[0] - c0), outs
+    st = llm.stats()
+    counts = {f"{k}_{w}": st[f"{k}_{w}"] - st0[f"{k}_{w}"] for k in KINDS for w in ("dispatches", "dispatch_steps")}
+    return dict(seconds=s, tokens=n, tok_s=n / s, compiles=_compiles[0] - c0, **counts), outs
 
 
 def run(llm, B, a, spec: bool):
@@ -90,7 +100,9 @@ def run(llm, B, a, spec: bool):
     return dict(batch=B, kind="spec" if spec else "plain", first_s=round(first["seconds"], 2),
                 first_compiles=first["compiles"], second_compiles=second["compiles"],
                 third_compiles=third["compiles"], tok_s=round(max(second["tok_s"], third["tok_s"]), 1),
-                tok_s_second=round(second["tok_s"], 1), tok_s_third=round(third["tok_s"], 1), tau=tau)
+                tok_s_second=round(second["tok_s"], 1), tok_s_third=round(third["tok_s"], 1), tau=tau,
+                speculate_below=llm.engine.batch_opts.speculate_below if spec else None,
+                **{k: v for k, v in third.items() if k.endswith(("_dispatches", "_dispatch_steps"))})
 
 
 def main(argv=None) -> int:
@@ -105,6 +117,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-spec", action="store_true")
     p.add_argument("--no-plain", action="store_true")
     p.add_argument("--spec-steps-per-call", type=int, default=None)
+    p.add_argument("--speculate-below", type=speculate_below_arg, default="auto",
+                   help="lite steps (plain, the draft kept in sync) for batches of >= N rows; 'none': always "
+                   "speculate; auto: the draft's measured spec_defaults")
     p.add_argument("--profile", type=int, default=0, help="print the N functions with the most host time")
     p.add_argument("--json", default=None, help="append rows as JSON lines")
     a = p.parse_args(argv)
@@ -116,7 +131,8 @@ def main(argv=None) -> int:
     for B in batches:
         pair = {}
         for spec in ([] if a.no_plain else [False]) + ([] if a.no_spec else [True]):
-            llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=draft if spec else None)
+            llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=draft if spec else None,
+                      speculate_below=a.speculate_below if spec else "auto")
             if spec and a.spec_steps_per_call is not None:
                 import dataclasses
                 llm.engine.batch_opts = dataclasses.replace(llm.engine.batch_opts,
@@ -132,12 +148,15 @@ def main(argv=None) -> int:
         with open(a.json, "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-    print(f"\n{'B':>4} {'kind':6} {'tok/s':>9} {'tau':>5} {'spec/plain':>10} {'compiles 1/2/3':>15} {'first s':>8}")
+    print(f"\n{'B':>4} {'kind':6} {'tok/s':>9} {'tau':>5} {'spec/plain':>10} {'compiles 1/2/3':>15} {'first s':>8} "
+          f"{'dispatches spec/lite/decode':>28}")
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
         ratio = f"{r['spec_over_plain']:.2f}" if "spec_over_plain" in r else "-"
+        disp = "/".join(str(r[f"{k}_dispatches"]) for k in KINDS)
         print(f"{r['batch']:>4} {r['kind']:6} {r['tok_s']:>9.1f} {tau:>5} {ratio:>10} "
-              f"{r['first_compiles']:>5}/{r['second_compiles']}/{r['third_compiles']:<5} {r['first_s']:>8.2f}")
+              f"{r['first_compiles']:>5}/{r['second_compiles']}/{r['third_compiles']:<5} {r['first_s']:>8.2f} "
+              f"{disp:>28}")
     return 0
 
 

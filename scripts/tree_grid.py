@@ -7,8 +7,11 @@ topk, num_draft_tokens), against plain decoding at the same batch, on held-out p
 
 Each configuration is one LLM (its programs compile in a warm-up generate that is not timed);
 timed runs generate exactly --max-tokens tokens per prompt (ignore EOS) so plain and speculative
-do equal work. --write-best stores the fastest configuration per batch size in the head's
-specjax.json ("spec_defaults"), which LLM(draft=...) and `specjax generate --speculate` read.
+do equal work; the speculative runs always speculate (speculate_below=None). --write-best stores the
+fastest configuration per batch size in the head's specjax.json ("spec_defaults"), or "plain" where
+plain decoding beat every configuration at that batch; LLM(draft=...) and `specjax generate
+--speculate` read it (the tree shape for --max-batch, and lite steps from the smallest batch of the
+table from which every entry is "plain": checkpoint.head_speculate_below).
 """
 from __future__ import annotations
 
@@ -27,6 +30,15 @@ def _configs(s: str) -> list[tuple[int, int, int]]:
         a, b, c = (int(x) for x in part.split(":"))
         out.append((a, b, c))
     return out
+
+
+def best_entry(r: dict):
+    """The spec_defaults entry of a batch from its fastest speculative row: its tree shape, or
+    "plain" (checkpoint.PLAIN) when plain decoding was faster still."""
+    from specjax.checkpoint import PLAIN
+    if r["tok_s"] <= r["plain_tok_s"]:
+        return PLAIN
+    return {k: r[k] for k in ("num_steps", "topk", "num_draft_tokens")}
 
 
 def _timed(llm, ids, params) -> tuple[float, float, int]:
@@ -79,7 +91,8 @@ def main(argv=None) -> int:
         del plain
         for steps, topk, ntok in _configs(a.configs):
             cfg = SpecConfig(method=method, num_steps=steps, topk=topk, num_draft_tokens=ntok)
-            llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=a.draft, spec=cfg)
+            llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=a.draft, spec=cfg,
+                      speculate_below=None)
             llm.generate(ids, params)  # compile every bucket; the second pass compiles the prefill
             llm.generate(ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # of cache hits
             tps, tau, _ = _timed(llm, ids, params)
@@ -120,8 +133,7 @@ def main(argv=None) -> int:
     if a.write_best:
         meta_path = Path(a.write_best) / "specjax.json"
         meta = json.loads(meta_path.read_text())
-        meta["spec_defaults"] = {str(B): {k: r[k] for k in ("num_steps", "topk", "num_draft_tokens")}
-                                 for B, r in sorted(best.items())}
+        meta["spec_defaults"] = {str(B): best_entry(r) for B, r in sorted(best.items())}
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")
         print(f"[grid] wrote spec_defaults {meta['spec_defaults']} to {meta_path}")
     return 0

@@ -94,26 +94,53 @@ def read_meta(model_dir: str | Path) -> dict:
 
 
 SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens")
+PLAIN = "plain"  # a spec_defaults entry: plain decoding beat every tree shape measured at that batch
 
 
-def head_spec_defaults(draft_dir: str | Path, batch: int) -> tuple[dict, int] | None:
-    """The tree shape a draft directory recommends for `batch` concurrent requests: its specjax.json
-    "spec_defaults" ({"<batch>": {"num_steps", "topk", "num_draft_tokens"}}, written by
-    scripts/tree_grid.py from measurements), the entry of the largest batch <= `batch` (else the
-    smallest) -> (SpecConfig keyword arguments, that entry's batch), or None when it has none."""
+def _spec_table(draft_dir: str | Path) -> dict[int, dict | str] | None:
+    """A draft directory's specjax.json "spec_defaults", checked: {batch: SpecConfig keyword
+    arguments (num_steps at least) or PLAIN}; None when it has none."""
     table = read_meta(draft_dir).get("spec_defaults")
     if not table:
         return None
     path = Path(draft_dir) / MARKER
     try:
-        rows = {int(b): {k: v[k] for k in SPEC_KEYS if k in v} for b, v in table.items()}
+        rows = {int(b): v if v == PLAIN else {k: v[k] for k in SPEC_KEYS if k in v} for b, v in table.items()}
     except (TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path}: spec_defaults must map batch sizes to {{{', '.join(SPEC_KEYS)}}}: {e}") from None
-    if any("num_steps" not in v for v in rows.values()):
-        raise CheckpointError(f"{path}: every spec_defaults entry needs num_steps")
-    fit = [b for b in rows if b <= batch]
-    b = max(fit) if fit else min(rows)
-    return rows[b], b
+        raise CheckpointError(f"{path}: spec_defaults must map batch sizes to {{{', '.join(SPEC_KEYS)}}} or "
+                              f"{PLAIN!r}: {e}") from None
+    if any(v != PLAIN and "num_steps" not in v for v in rows.values()):
+        raise CheckpointError(f"{path}: every spec_defaults entry needs num_steps (or is {PLAIN!r})")
+    return rows
+
+
+def head_spec_defaults(draft_dir: str | Path, batch: int) -> tuple[dict, int] | None:
+    """The tree shape a draft directory recommends for `batch` concurrent requests: its specjax.json
+    "spec_defaults" ({"<batch>": {"num_steps", "topk", "num_draft_tokens"} or "plain"}, written by
+    scripts/tree_grid.py from measurements), the tree entry of the largest batch <= `batch` (else
+    the smallest) -> (SpecConfig keyword arguments, that entry's batch), or None when it has no tree
+    entry. Entries "plain" say where speculation does not pay (head_speculate_below)."""
+    rows = _spec_table(draft_dir)
+    trees = {b: v for b, v in (rows or {}).items() if v != PLAIN}
+    if not trees:
+        return None
+    fit = [b for b in trees if b <= batch]
+    b = max(fit) if fit else min(trees)
+    return trees[b], b
+
+
+def head_speculate_below(draft_dir: str | Path) -> int | None:
+    """The batch size from which a draft directory's measurements say plain decoding wins: the
+    smallest batch of its spec_defaults from which every entry is "plain" (the engine's
+    BatchOptions.speculate_below: lite steps from that many rows on), or None (speculation measured
+    to pay at its largest batch, or no measurements)."""
+    rows = _spec_table(draft_dir)
+    below = None
+    for b in sorted(rows or {}, reverse=True):
+        if rows[b] != PLAIN:
+            break
+        below = b
+    return below
 
 
 def convert_hint(path: str | Path, what: str = "model") -> str:

@@ -40,6 +40,13 @@ def flag_message(msg: str) -> str:
     return _API_NAME.sub(lambda m: FLAG_NAMES[m[1]], _API_PREFIX.sub("", msg))
 
 
+def speculate_below_arg(text: str) -> int | None | str:
+    """argparse type of --speculate-below: an integer >= 1, "none" (always speculate) or "auto" (the
+    draft's measurements)."""
+    word = text.strip().lower()
+    return None if word == "none" else "auto" if word == "auto" else positive_int(text)
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (argparse names the flag in its error)."""
     try:
@@ -165,6 +172,10 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                    "unless the draft's spec_defaults say otherwise)")
     g.add_argument("--num-draft-tokens", type=positive_int, default=None,
                    help="draft tree size (default: --num-steps for a chain, else num-steps * topk)")
+    g.add_argument("--speculate-below", type=speculate_below_arg, default="auto", metavar="N",
+                   help="speculative decoding: batches of N or more requests run plain steps that keep the draft "
+                   "in sync (lossless switching; for batches where verifying trees costs more than it gains); "
+                   "'none': always speculate (default: the draft's measured spec_defaults, else none)")
     g.add_argument("--kv-compact-impl", choices=KV_COMPACT_CHOICES, default="auto",
                    help="KV compaction kernel of draft trees; auto: chosen once at start (a GPU kernel that "
                         "compiles, else the jnp reference); others are forced (an error if one does not "
@@ -200,6 +211,8 @@ def check_model_arguments(a) -> None:
             except CheckpointError as e:
                 raise UsageError(f"{flag}: {e}") from None
     a.spec = None
+    if a.draft is None and a.speculate_below not in ("auto", None):
+        raise UsageError("--speculate-below applies to speculative decoding: give --speculate or --draft")
     if a.draft is not None:
         from specjax.llm import draft_method
         from specjax.tree import SpecConfig
@@ -223,7 +236,7 @@ def llm_from_args(a, **more):
     return LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft,
                spec=a.spec, tensor_parallel=a.tensor_parallel, kv_compact_impl=a.kv_compact_impl,
                attention=a.attention, prefix_cache=a.prefix_cache, max_prefill_tokens=a.max_prefill_tokens,
-               **more)
+               speculate_below=a.speculate_below if a.draft is not None else "auto", **more)
 
 
 # ----------------------------------------------------------------------------- generate

@@ -14,7 +14,10 @@ One engine step (`Engine.step`):
      (the step still in flight may add up to `advance` positions), preempting the youngest request
      when pages run out;
   3. dispatch step t+1 for the running slots whose prefill is complete (rows bucketed to a power of
-     two): a long prompt's chunks alternate with the decode steps of the others;
+     two): a long prompt's chunks alternate with the decode steps of the others. A speculative
+     engine runs fused steps, or lite steps (plain decoding that keeps the draft in sync) for
+     batches of >= BatchOptions.speculate_below rows; the kind and the steps per dispatch:
+     specjax.dispatch_plan;
   4. read step t's outputs (their device->host copy started when t was dispatched) and deliver the
      tokens. A request that finished or was cancelled leaves the batch here, one step late: what
      step t+1 computed for it is dropped, so the outputs are those of the synchronous loop
@@ -41,6 +44,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import attention as attn_lib
+from specjax import dispatch_plan
 from specjax import programs as prog
 from specjax.decode import PrefillRows
 from specjax.engine_grammar import GrammarSteps
@@ -73,6 +77,14 @@ class BatchOptions:
     steps_per_call: int = 8  # decode steps per dispatch; tokens past a request's stop are dropped
     spec_steps_per_call: int = 4  # fused speculative steps per dispatch (batches without grammars);
     #                               stop ids and length limits are checked on the device between them
+    speculate_below: int | None = None  # speculative engine: fused steps for batches of fewer rows than
+    #                                     this, lite steps (plain decoding, the draft kept in sync) from
+    #                                     this many rows on (specjax.dispatch_plan); None: always fused
+
+    def __post_init__(self):
+        b = self.speculate_below
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"BatchOptions.speculate_below must be None or an int >= 1, got {b!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +112,7 @@ class StepUpdate:
 @dataclasses.dataclass
 class _Dispatched:
     """A dispatched program whose outputs are on their way to the host."""
-    kind: str  # "prefill" | "decode" | "spec"
+    kind: str  # "prefill" | "decode" | "spec" | "lite"
     out: object
     trees: tuple | None  # speculative: the rows' next trees (tokens, parents [B, N])
     rows: list[tuple[int, int, Request, int]]  # (row, slot, request, its epoch at dispatch)
@@ -154,12 +166,12 @@ class Engine(GrammarSteps):
         self.draft = draft
         if draft is None:
             ahead = advance = batch_opts.steps_per_call
-            tail = 0
+            tail = self.lookahead = 0
         else:
             from specjax import step
             self.lookahead = step.lookahead(draft.spec, draft.info)
             # one fused step; a dispatch runs up to K of them when the pages for K steps are free
-            # (Engine._spec_steps), so pages are reserved (and requests admitted) for one step
+            # (specjax.dispatch_plan), so pages are reserved (and requests admitted) for one step
             ahead, advance = self.lookahead, draft.spec.num_steps + 1
             # a speculative step writes up to `lookahead` entries past a slot's length, also at the end
             # of the context: slots address max_seq_len + lookahead entries (specjax.scheduler, "Capacity")
@@ -203,6 +215,8 @@ class Engine(GrammarSteps):
         self.masks = MaskBuilder(self._width(), self.opts.mask_threads)  # grammar masks, built on the host
         self.host = HostTimes()
         self._prefill_shapes: set[tuple[int, int]] = set()  # (rows, length) of the prefills dispatched
+        self.dispatches = dict.fromkeys(("decode", "spec", "lite"), 0)  # decode dispatches by kind
+        self.dispatched_steps = dict.fromkeys(("decode", "spec", "lite"), 0)  # the steps they ran
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
 
@@ -228,9 +242,11 @@ class Engine(GrammarSteps):
             mode = f"plain decoding ({b.steps_per_call} steps per dispatch)"
         else:
             s = self.draft.spec
+            lite = ("always fused steps" if b.speculate_below is None else
+                    f"lite steps (plain, the draft kept in sync) for batches of >= {b.speculate_below} rows")
             mode = (f"speculative ({self.draft.info.method}: num_steps={s.num_steps} topk={s.topk} "
                     f"num_draft_tokens={s.num_draft_tokens}, lookahead {self.lookahead}; up to "
-                    f"{b.spec_steps_per_call} steps per dispatch)")
+                    f"{b.spec_steps_per_call} steps per dispatch; {lite})")
         return (f"{mode}; {b.max_batch} slots of {self.sched.capacity} cache entries (max_seq_len {c.max_seq_len}), "
                 f"{num_pages} pages of {c.page_size}, {jnp.dtype(dtype).name}, prefix cache "
                 f"{'on' if c.prefix_cache else 'off'}, prefill chunks of {self.sched.chunk} tokens; "
@@ -286,7 +302,8 @@ class Engine(GrammarSteps):
     def stats(self) -> dict:
         """Counters for metrics: queue and slots, KV pages, prefix cache (hit rate = reused tokens /
         looked-up tokens), prefilled tokens, preemptions; host time of the loop by phase (host_*_s:
-        read, accept, masks, drafts, dispatch; host_step_s: all of step(), over host_steps steps)."""
+        read, accept, masks, drafts, dispatch; host_step_s: all of step(), over host_steps steps); decode
+        dispatches and the steps they ran by kind (decode / spec / lite: specjax.dispatch_plan)."""
         a, st = self.alloc, self.sched.prefix
         return {
             "queue_length": len(self.sched.queue),
@@ -306,6 +323,8 @@ class Engine(GrammarSteps):
             "prefill_tokens": st.prefill_tokens,
             "num_preempted": self.sched.num_preempted,
             **self.host.stats(),  # host seconds by phase (specjax.host_timing)
+            **{f"{k}_dispatches": v for k, v in self.dispatches.items()},
+            **{f"{k}_dispatch_steps": v for k, v in self.dispatched_steps.items()},
         }
 
     def num_compiled(self) -> int:
@@ -423,6 +442,9 @@ class Engine(GrammarSteps):
         for x in jax.tree.leaves((out, trees)):
             x.copy_to_host_async()
         entry = _Dispatched(kind, out, trees, [(b, s, r, r.epoch) for b, s, r in rows], advance, steps)
+        if kind != "prefill":
+            self.dispatches[kind] += 1
+            self.dispatched_steps[kind] += steps
         for _, s, _ in rows:
             self.sched.inflight[s] += advance
             self.sched.sure[s] += steps
@@ -507,39 +529,25 @@ class Engine(GrammarSteps):
                                         [len(r.prompt_ids) for _, r in group] + [0] * len(pad))
 
     def _dispatch(self, rows, grammar: bool = False) -> _Dispatched:
-        """One decode / fused speculative step over rows; grammar: with the masks (and grammar drafts)
-        of its constrained rows, computed first (the reference order, overlap off)."""
+        """One decode dispatch over rows (plain, fused speculative or lite steps: specjax.dispatch_plan);
+        grammar: with the masks (and grammar drafts) of its constrained rows, computed first (the
+        reference order, overlap off)."""
         slots, active = self.sched.row_slots(rows)
         mask, drafts = self._step_grammar(rows, len(slots)) if grammar else (None, None)
         flags = self._flags([r for _, r in rows])
-        if self.draft is not None:
-            per_step = self.draft.spec.num_steps + 1
-            # spec_steps_per_call steps in one program (a row that finishes stops changing state);
-            # a grammar batch: one step, with the rows' grammar drafts
-            K = 1 if grammar else self._spec_steps(rows, per_step)
-            t0 = time.perf_counter()
+        p = dispatch_plan.plan(rows, grammar, self.batch_opts, self.sched, self.draft, self.lookahead)
+        self._push_page_table()  # pages the plan took for K steps
+        t0 = time.perf_counter()
+        if self.draft is not None:  # K steps in one program: a row that finishes stops changing state
             out, trees, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state, self.samp,
                                                           slots, active, mask, self._stop_rows(rows, len(slots)),
-                                                          drafts, num_steps=K, **flags)
-            self.host.add("dispatch", t0)
-            return self._push("spec", out, trees, _indexed(rows), K * per_step, K)
-        spc = self.batch_opts.steps_per_call
-        K = 1 if grammar else min(spc, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, spc))
-        t0 = time.perf_counter()
-        out, _, self.state = self.steps.decode_many(self.weights, self.state, self.samp, slots, active, mask,
-                                                    num_steps=K, **flags)
+                                                          drafts, num_steps=p.num_steps, lite=p.kind == "lite",
+                                                          **flags)
+        else:
+            out, trees, self.state = self.steps.decode_many(self.weights, self.state, self.samp, slots, active, mask,
+                                                            num_steps=p.num_steps, **flags)
         self.host.add("dispatch", t0)
-        return self._push("decode", out, None, _indexed(rows), K, K)
-
-    def _spec_steps(self, rows, per_step: int) -> int:
-        """Fused steps for the next dispatch: spec_steps_per_call when every row can have the pages
-        of that many steps now (taken here), else 1 (the pages of one step are reserved already;
-        a tight page budget never preempts or fails a request for the sake of more steps)."""
-        K = self.batch_opts.spec_steps_per_call
-        if K > 1 and self.sched.ensure_extra([s for s, _ in rows], (K - 1) * per_step):
-            self._push_page_table()
-            return K
-        return 1
+        return self._push(p.kind, out, trees, _indexed(rows), p.advance, p.sure)
 
     def _stop_rows(self, rows, B: int) -> prog.StopRows:
         """The rows' stop ids (EOS unless ignored, stop_token_ids; [B, E], E bucketed) and the
@@ -564,7 +572,7 @@ class Engine(GrammarSteps):
         t0 = time.perf_counter()
         toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x).tolist()  # nested lists, once
                                      for x in (e.out.tokens, e.out.logprob, e.out.top_logprobs, e.out.top_ids))
-        counts = _as_rows(e.kind, e.out.num_accepted).tolist() if e.kind == "spec" else None  # [B, K]
+        counts = _as_rows(e.kind, e.out.num_accepted).tolist() if e.kind in ("spec", "lite") else None  # [B, K]
         trees = None if e.trees is None else tuple(np.asarray(t) for t in e.trees)
         self.host.add("read", t0)
         return toks, lp, top_lp, top_ids, counts, trees
@@ -599,8 +607,8 @@ class Engine(GrammarSteps):
                                          for x in (toks, lp, top_lp, top_ids))
             before = len(req.token_ids)
             req.extend(t_b, lp_b, None if lp is None else [list(zip(i, v)) for i, v in zip(ti_b, tl_b)])
-            if counts is not None:  # the steps up to the one that finished the request (a stop string
-                used = 0  # is found on the host only: the device ran on)
+            if e.kind == "spec":  # the steps up to the one that finished the request (a stop string
+                used = 0  # is found on the host only: the device ran on); lite steps accept no draft
                 for nk in ns:
                     if used >= len(req.token_ids) - before:
                         break

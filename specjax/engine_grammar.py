@@ -29,8 +29,9 @@ not steps_per_call): a step's device time per token is that of the scanned steps
 hidden behind the forward the unconstrained rows keep their speed. A grammar that raises while its
 masks are computed or its tokens accepted fails only its request (finish_reason "error", the reason
 given); its slot and pages are freed at once. Batches without grammars run the fused programs
-(several steps per dispatch: specjax.engine). The phases' host times go to `Engine.host`
-(specjax.host_timing): read, accept, masks, drafts, dispatch.
+(several steps per dispatch: specjax.engine); a batch with a grammar row always runs fused
+speculative steps, never lite ones (specjax.dispatch_plan). The phases' host times go to
+`Engine.host` (specjax.host_timing): read, accept, masks, drafts, dispatch.
 
 Grammar drafts (specjax.grammar_drafts; SchedulerOptions(grammar_drafts=True), a draft model or head):
 with the tree masks the host also computes the grammar's continuation after each node of each

@@ -57,12 +57,32 @@ def draft_method(draft) -> str:
     return "draft"
 
 
+def resolve_speculate_below(value, draft) -> int | None:
+    """LLM(speculate_below=value) for a draft (None: plain decoding) -> BatchOptions.speculate_below:
+    "auto" reads the draft's measurements (checkpoint.head_speculate_below; "self" / "ngram": none)."""
+    if value == "auto":
+        if draft is None or draft in ("self", "ngram"):
+            return None
+        from specjax.checkpoint import head_speculate_below
+        below = head_speculate_below(draft)
+        if below is not None:
+            log.info("speculation: lite steps for batches of >= %d rows (the draft's spec_defaults: plain decoding "
+                     "measured faster from batch %d on)", below, below)
+        return below
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"speculate_below must be an int >= 1, None or 'auto', got {value!r}")
+    if value is not None and draft is None:
+        raise ValueError(f"speculate_below={value} needs speculative decoding (a draft)")
+    return value
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", page_size: int = 16,
                  max_batch: int = 8, max_seq_len: int = 2048, num_pages: int | None = None, seed: int = 0,
                  draft: str | Path | None = None, spec=None, tensor_parallel: int = 1,
                  scheduler: SchedulerOptions | None = None, kv_compact_impl: str = "auto", attention="auto",
-                 prefix_cache: bool = True, max_prefill_tokens: int = BatchOptions.max_prefill_tokens):
+                 prefix_cache: bool = True, max_prefill_tokens: int = BatchOptions.max_prefill_tokens,
+                 speculate_below: int | None | str = "auto"):
         """dtype: "auto" (float32 on the CPU, bfloat16 on GPUs and TPUs), "bfloat16" or "float32".
         draft: None (plain decoding), "self" (the target drafts for itself: for testing), "ngram"
         (prompt lookup: drafts copied from the request's own text, no weights; specjax.ngram), the
@@ -82,6 +102,10 @@ class LLM:
         prompt, earlier turns); outputs are those without it.
         max_prefill_tokens: tokens (rows x padded length) of one prefill call; longer prompts are
         prefilled in chunks between the decode steps of running requests.
+        speculate_below (with a draft): batches of this many rows or more run lite steps (plain
+        decoding that keeps the draft in sync, switching back to speculation losslessly:
+        specjax.dispatch_plan) instead of speculative ones; None: always speculate; "auto": from the
+        draft's measurements (its specjax.json spec_defaults, checkpoint.head_speculate_below), else None.
         Constrained requests (SamplingParams json_schema / regex / grammar / choice) compile with one
         specjax.grammar.GrammarCompiler built from the tokenizer on first use."""
         from specjax import compile_cache
@@ -101,6 +125,7 @@ class LLM:
         self.model_dir = check_converted(model, "model")
         if draft is not None and draft not in ("self", "ngram"):
             check_converted(draft, "draft")
+        below = resolve_speculate_below(speculate_below, draft)
         self.dtype = dtype
         mesh = None
         if tensor_parallel != 1:
@@ -118,7 +143,8 @@ class LLM:
         if draft is not None:
             engine_draft = self._load_draft(draft, spec, module, dtype)
         self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages, prefix_cache),
-                             BatchOptions(max_batch, max_prefill_tokens), DTYPES[dtype], draft=engine_draft, mesh=mesh,
+                             BatchOptions(max_batch, max_prefill_tokens, speculate_below=below), DTYPES[dtype],
+                             draft=engine_draft, mesh=mesh,
                              sched=scheduler, grammar=self._grammar_compiler, kv_compact_impl=kv_compact_impl,
                              attention=attention)
         self._rng = random.Random(seed)

@@ -10,9 +10,11 @@ host needs for grammar masks of the following step.
 The speculative step exists fused (`step`: verify + accept + compact + draft, one program; up to K
 of them per dispatch in one device loop, each row's stop ids and length limit (`StopRows`) checked on
 the device after every step so that a finished row stops changing state, the loop ending once every
-row has finished) and split (`verify` | `finish`) so that a grammar batch can compute its tree masks on the host while
-the target forward runs. `verify` donates the state and hands it back with the tree's K/V written
-(no copy of the cache); `finish` takes it with the logits and the masks. Plain decoding likewise:
+row has finished; with the static flag `lite`, K lite steps instead: step.spec_lite_step, a plain step
+that keeps the draft in sync, same call shape and output layout) and split (`verify` | `finish`) so
+that a grammar batch can compute its tree masks on the host while the target forward runs. `verify`
+donates the state and hands it back with the tree's K/V written (no copy of the cache); `finish`
+takes it with the logits and the masks. Plain decoding likewise:
 `decode_many` (num_steps steps in one program) and, for grammar batches, `forward` | `sample` (the
 forward of one step, then sampling with the masks computed meanwhile).
 
@@ -150,8 +152,8 @@ class SpecPrograms(NamedTuple):
     prefill: Callable  # (tw, dw, state, samp_all, rows: PrefillRows, samp, mask, drafts=None, *, ...)
     #                    -> (out, trees, state, samp_all)
     step: Callable  # fused, K steps: (tw, dw, state, samp_all, slots, active, mask, stop: StopRows, drafts=None,
-    #                 *, num_steps, ...) -> (SpecOut with [K, B] fields, trees, state); a mask or grammar
-    #                 drafts need K == 1
+    #                 *, num_steps, lite=False, ...) -> (SpecOut with [K, B] fields, trees, state); a mask or
+    #                 grammar drafts need K == 1; lite: K lite steps (step.spec_lite_step), no mask
     verify: Callable  # (tw, state, slots, active) -> (logits, h, aux), state
     finish: Callable  # (tw, dw, state, verified, samp_all, slots, active, mask, drafts=None, *, ...)
     #                   -> (SpecOut with [1, B] fields, trees, state)
@@ -178,15 +180,19 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         return out, _trees(state, rows.slots), state, _put_rows(samp_all, rows.slots, samp)
 
     def fused(tw, dw, state, samp_all, slots, active, mask, stop, drafts=None, *, num_steps, want_logprobs,
-              stochastic):
+              stochastic, lite=False):
         samp = _take_rows(samp_all, slots)
         rs = jnp.minimum(slots, state.cache.seq_lens.shape[0] - 1)
-        assert (mask is None and drafts is None) or num_steps == 1, "grammar masks / drafts cover one step"
+        assert (mask is None and drafts is None) or (num_steps == 1 and not lite), \
+            "grammar masks / drafts: one fused step"
 
-        def one(state, act):  # one fused step; rows finished by it are inactive for the next ones
-            out, state = bound(step_lib.spec_step, tw, dw, state, slots, act, samp, want_logprobs=want_logprobs,
-                               stochastic=stochastic, token_mask=mask, kernels=kernels,
-                               grammar_drafts=drafts)
+        def one(state, act):  # one fused (or lite) step; rows finished by it are inactive for the next ones
+            if lite:
+                out, state = bound(step_lib.spec_lite_step, tw, dw, state, slots, act, samp,
+                                   want_logprobs=want_logprobs, stochastic=stochastic, kernels=kernels)
+            else:
+                out, state = bound(step_lib.spec_step, tw, dw, state, slots, act, samp, want_logprobs=want_logprobs,
+                                   stochastic=stochastic, token_mask=mask, kernels=kernels, grammar_drafts=drafts)
             return out, state, act & ~_finished(out, state.cache.seq_lens[rs], stop)
 
         def live(state, act):  # a row dispatched again after its end (the host reads one step behind)
@@ -226,7 +232,7 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
 
     jit = functools.partial(jax.jit, static_argnames=_STATIC)
     return SpecPrograms(prefill=jit(prefill, donate_argnums=(2, 3)),
-                        step=jax.jit(fused, donate_argnums=(2,), static_argnames=("num_steps",) + _STATIC),
+                        step=jax.jit(fused, donate_argnums=(2,), static_argnames=("num_steps", "lite") + _STATIC),
                         verify=jax.jit(verify, donate_argnums=(1,)),
                         finish=jit(finish, donate_argnums=(2,))), tw0, dw0
 

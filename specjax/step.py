@@ -8,6 +8,25 @@
     -> draft extend over the accepted tokens (EAGLE: with the target's features for them)
     -> grow the next draft tree (EAGLE-2 style; topk = 1 is a chain), stored in the state.
 
+The lite step (spec_lite_step, a draft-synced plain step: what the engine runs instead of the fused
+step for batches where verifying trees costs more than it gains; specjax.engine):
+    target forward over the stored tree's root only (T = 1, the forward of plain decoding)
+    -> accept the one-node tree: greedy the argmax; sampling the bonus drawn from p with the bonus
+       key of root position L, as a fused step draws it when every child of the root is rejected
+       (penalties applied as in accept)
+    -> lengths L + 1, penalty counts
+    -> draft extend over the emitted token (EAGLE: with the target's features at the root), i.e.
+       draft_next with n = 1, so the draft's KV stays in sync
+    -> no tree growth: the stored tree keeps nodes 1 .. N - 1, its root becomes the emitted token.
+Those stale nodes were fixed before the lite step drew anything, so the next fused step verifies
+them losslessly (they continue an older prefix and are rarely accepted; that step grows a fresh
+tree): point masses (trees, n-gram; draft_probs None) by the point-mass rule, and a sampled chain
+node t_i keeps its proposal draft_probs[i]: it was drawn from it with the draft's own random stream
+(keyed by positions that no verification has revealed: the lite steps draw from the verification
+stream), so given everything emitted since, t_i is still a draw from draft_probs[i] (given its
+parent), which is all the min(1, p/q) rule needs. The n-gram drafter appends the token to the
+history. Grammar batches never run lite steps. A lite step touches lite_lookahead(info) entries past L.
+
 Prefill seeds the target cache, the draft and the first tree. It runs on pieces (decode.PrefillRows):
 a piece at cache index a with n new tokens writes target entries a .. a+n-1 and draft entries
 a .. a+n-1 (+1 for a final piece of a shift-0 draft: its entry for the sampled token); the token
@@ -123,6 +142,12 @@ def lookahead(spec: SpecConfig, info: DraftInfo) -> int:
         return spec.num_nodes
     draft = 1 - info.shift + (spec.num_steps + 1) + (spec.num_steps - 1) * spec.topk
     return max(spec.num_nodes, draft)
+
+
+def lite_lookahead(info: DraftInfo, num_steps: int = 1) -> int:
+    """Cache entries past L that num_steps lite steps may touch: the target writes L .. L + K - 1,
+    the draft extend draft indices up to L + K - shift (no draft KV for the n-gram drafter)."""
+    return num_steps + (1 - info.shift if info.has_model else 0)
 
 
 # ----------------------------------------------------------------------------- draft side
@@ -375,28 +400,48 @@ class Accepted:
     cache: KVCache  # compacted target cache (lengths not yet updated)
 
 
+class TreeShape(NamedTuple):
+    """What verify_forward and accept read of a SpecConfig (a SpecConfig serves as one)."""
+    num_nodes: int
+    num_steps: int  # the tree's max depth
+    is_chain: bool  # the accepted path is in place (no compaction)
+
+
+ROOT_ONLY = TreeShape(num_nodes=1, num_steps=0, is_chain=True)  # the lite step's tree: the root alone
+
+
+def root_view(state: SpecState) -> SpecState:
+    """The state seen by a step over the stored trees' roots only (ROOT_ONLY): node 0 of each tree,
+    no draft proposals."""
+    return dataclasses.replace(state, tree_tokens=state.tree_tokens[:, :1], tree_parents=state.tree_parents[:, :1],
+                               tree_depth=state.tree_depth[:, :1], draft_probs=None)
+
+
 def _rows(state: SpecState, slots, active):
     max_slots = state.cache.seq_lens.shape[0]
     rs = jnp.minimum(slots, max_slots - 1)  # read slots (padding rows clamp)
     return rs, active & (slots < max_slots)
 
 
-def verify_forward(info: DraftInfo, spec: SpecConfig, target, state: SpecState, slots, active) -> Verified:
+def verify_forward(info: DraftInfo, spec: SpecConfig | TreeShape, target, state: SpecState, slots,
+                   active) -> Verified:
     """Target forward over the stored tree of rows `slots`: node i at position L + depth[i],
-    written to cache index L + i, attending to the prefix and its ancestors."""
+    written to cache index L + i, attending to the prefix and its ancestors. spec: the SpecConfig,
+    or ROOT_ONLY with root_view(state) (the root alone: plain decoding's forward)."""
     rs, active = _rows(state, slots, active)
     N = spec.num_nodes
     L = state.cache.seq_lens[rs]  # [B]
     tree = tree_lib.make_tree(state.tree_tokens[rs], state.tree_parents[rs], state.tree_depth[rs], spec.num_steps)
     meta = meta_at(state.cache.page_table[rs], L, active.astype(jnp.int32) * N, N, state.cache.page_size,
-                   block_mask=tree.mask)
+                   block_mask=tree.mask if N > 1 else None)  # one node: causal, the attention's decode path
     h, cache, aux = target(tree.tokens, tree_lib.positions(tree, L), state.cache, meta, info.aux_layers)
     return Verified(logits=target.logits(h), h=h, aux=tuple(aux), cache=cache)
 
 
-def accept(spec: SpecConfig, state: SpecState, ver: Verified, slots, active, samp, want_logprobs, stochastic,
-           token_mask=None, kernels: Kernels = Kernels()) -> Accepted:
-    """Acceptance (greedy or rejection sampling) and compaction of the accepted path.
+def accept(spec: SpecConfig | TreeShape, state: SpecState, ver: Verified, slots, active, samp, want_logprobs,
+           stochastic, token_mask=None, kernels: Kernels = Kernels()) -> Accepted:
+    """Acceptance (greedy or rejection sampling) and compaction of the accepted path (spec: as for
+    verify_forward; ROOT_ONLY: the bonus alone, drawn as when every child of the root is rejected).
     token_mask: optional grammar masks of the tokens allowed after each node: token_mask.RowMasks
     (bits [R, N, W] of some rows) or a dense [B, N, W] int32 bitmask.
     kernels: the implementations chosen by the caller (default: the jnp references).
@@ -431,6 +476,35 @@ def accept(spec: SpecConfig, state: SpecState, ver: Verified, slots, active, sam
     return Accepted(out=out, accept_idx=acc, bonus=bonus, cache=cache)
 
 
+def _commit(info: DraftInfo, target, draft, state: SpecState, ver: Verified, acc: Accepted, slots, active):
+    """What a step commits for its n emitted tokens, the next tree aside (draft_next and the lite step):
+    lengths L + n (target) and Ld + n (draft), penalty counts, the draft extend over the accepted
+    entries (EAGLE: with the target's features at the accepted nodes), or for the n-gram drafter the
+    tokens appended to the history. Returns (state, h_last [B, E], logits_last [B, Vd]) (None, None
+    for the n-gram drafter): the draft's output after the last accepted entry."""
+    rs, active = _rows(state, slots, active)
+    max_slots = state.cache.seq_lens.shape[0]
+    L, Ld = state.cache.seq_lens[rs], state.draft_seq_lens[rs]
+    n = acc.out.num_accepted  # [B]; 0 for inactive rows
+    upd = jnp.where(active, slots, max_slots)  # inactive rows: out of range -> dropped
+    pen = state.penalties
+    if pen is not None:
+        pen = pen_lib.add_tokens(pen, upd, acc.out.tokens, n)
+    cache = dataclasses.replace(acc.cache, seq_lens=state.cache.seq_lens.at[upd].set(L + n, mode="drop"))
+    state = dataclasses.replace(state, cache=cache, penalties=pen)
+    if not info.has_model:
+        return dataclasses.replace(state, history=ngram.append(state.history, upd, L, acc.out.tokens, n)), None, None
+    feats = None
+    if info.uses_features:
+        idx = jnp.maximum(acc.accept_idx, 0)[:, :, None]  # [B, S + 1, 1]
+        take = functools.partial(jnp.take_along_axis, indices=idx, axis=1)
+        feats = drafter.target_features(info, draft, take(ver.h), tuple(take(a) for a in ver.aux))
+    h_last, lg_last, dkv = _extend(info, draft, target, state.draft_kv, cache.page_table[rs], cache.page_size,
+                                   jnp.maximum(acc.out.tokens, 0), feats, Ld, n)
+    draft_seq_lens = state.draft_seq_lens.at[upd].set(Ld + n, mode="drop")
+    return dataclasses.replace(state, draft_kv=dkv, draft_seq_lens=draft_seq_lens), h_last, lg_last
+
+
 def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecState, ver: Verified, acc: Accepted,
                slots, active, samp, stochastic, grammar_drafts=None) -> SpecState:
     """Lengths update, penalty counts of the emitted tokens, draft extend over the accepted entries and
@@ -438,45 +512,22 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
     continuation after each node of the verified tree (specjax.grammar_drafts), drafted into the
     next tree where it starts with the bonus token (not used by the n-gram drafter)."""
     rs, active = _rows(state, slots, active)
-    max_slots = state.cache.seq_lens.shape[0]
-    act = active.astype(jnp.int32)
-    L, Ld = state.cache.seq_lens[rs], state.draft_seq_lens[rs]
-    pt, ps = state.cache.page_table[rs], state.cache.page_size
+    upd = jnp.where(active, slots, state.cache.seq_lens.shape[0])
     n = acc.out.num_accepted
-    upd = jnp.where(active, slots, max_slots)  # inactive rows: out of range -> dropped
-    pen = state.penalties
-    if pen is not None:
-        pen = pen_lib.add_tokens(pen, upd, acc.out.tokens, n)
-    if not info.has_model:
-        return _ngram_next(spec, state, acc, rs, upd, pen)
-    feats = None
-    if info.uses_features:
-        idx = jnp.maximum(acc.accept_idx, 0)[:, :, None]  # [B, S + 1, 1]
-        take = functools.partial(jnp.take_along_axis, indices=idx, axis=1)
-        feats = drafter.target_features(info, draft, take(ver.h), tuple(take(a) for a in ver.aux))
-    h_last, lg_last, dkv = _extend(info, draft, target, state.draft_kv, pt, ps, jnp.maximum(acc.out.tokens, 0),
-                                   feats, Ld, n)
-    L2, Ld2 = L + n, Ld + n
+    L2 = state.cache.seq_lens[rs] + n
+    new, h_last, lg_last = _commit(info, target, draft, state, ver, acc, slots, active)
+    if not info.has_model:  # the next tree looked up in the history
+        nxt = ngram.propose(new.history[rs], L2 + 1, acc.bonus, spec)
+        return _store(new, upd, nxt, None, new.draft_kv, new.draft_seq_lens, new.cache)
     forced = None
     if grammar_drafts is not None:
         last = jnp.take_along_axis(acc.accept_idx, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]  # [B] node n*
         forced = grammar_levels(grammar_drafts, jnp.maximum(last, 0), acc.bonus, spec.num_steps)
-    nxt, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act, acc.bonus, L2, Ld2, h_last, lg_last,
-                            samp, stochastic and state.draft_probs is not None, _draft_rows(info, pen, rs), forced)
-    cache = dataclasses.replace(acc.cache, seq_lens=state.cache.seq_lens.at[upd].set(L2, mode="drop"))
-    draft_seq_lens = state.draft_seq_lens.at[upd].set(Ld2, mode="drop")
-    return _store(state, upd, nxt, probs, dkv, draft_seq_lens, cache, pen)
-
-
-def _ngram_next(spec: SpecConfig, state: SpecState, acc: Accepted, rs, upd, pen) -> SpecState:
-    """draft_next of the n-gram drafter: lengths update, the emitted tokens appended to the
-    history, the next tree looked up in it."""
-    L, n = state.cache.seq_lens[rs], acc.out.num_accepted
-    L2 = L + n
-    hist = ngram.append(state.history, upd, L, acc.out.tokens, n)
-    nxt = ngram.propose(hist[rs], L2 + 1, acc.bonus, spec)
-    cache = dataclasses.replace(acc.cache, seq_lens=state.cache.seq_lens.at[upd].set(L2, mode="drop"))
-    return _store(state, upd, nxt, None, state.draft_kv, state.draft_seq_lens, cache, pen, hist)
+    pt, ps = state.cache.page_table[rs], state.cache.page_size
+    nxt, probs, dkv = _grow(info, spec, draft, target, new.draft_kv, pt, ps, active.astype(jnp.int32), acc.bonus, L2,
+                            state.draft_seq_lens[rs] + n, h_last, lg_last, samp,
+                            stochastic and state.draft_probs is not None, _draft_rows(info, new.penalties, rs), forced)
+    return _store(new, upd, nxt, probs, dkv, new.draft_seq_lens, new.cache)
 
 
 def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
@@ -496,6 +547,40 @@ def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecSt
         new_state = draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic,
                                grammar_drafts)
     return acc.out, new_state
+
+
+def _widen(out: SpecOut, width: int) -> SpecOut:
+    """A one-token SpecOut in the fused step's layout: tokens / logprobs [B, width] (-1 / 0 padded),
+    accept_hist [width + 1]."""
+    def pad(x, value):
+        return None if x is None else jnp.pad(x, ((0, 0), (0, width - x.shape[1])) + ((0, 0),) * (x.ndim - 2),
+                                                constant_values=value)
+    return SpecOut(tokens=pad(out.tokens, -1), num_accepted=out.num_accepted,
+                   accept_hist=jnp.pad(out.accept_hist, (0, width + 1 - out.accept_hist.shape[0])),
+                   logprob=pad(out.logprob, 0.0), top_logprobs=pad(out.top_logprobs, 0.0), top_ids=pad(out.top_ids, 0))
+
+
+def spec_lite_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
+                   samp: SamplingArrays, want_logprobs=False, stochastic=True, kernels: Kernels = Kernels()):
+    """A draft-synced plain step (the "lite" step; see the module doc) for rows `slots` [B] with
+    `active` [B] bool -> (SpecOut in spec_step's layout, num_accepted 1 for active rows; state):
+    the target forward over each stored tree's root, the next token drawn as the fused step draws
+    its bonus when the root's children are all rejected, lengths, penalty counts and the draft
+    extend over that token (draft_next with n = 1), no new tree: the stored tree keeps its nodes
+    1 .. N - 1 (and their draft_probs), its root becomes the emitted token.
+    The caller must have pages for lite_lookahead(info) entries past L of every active slot."""
+    target, draft = _merge(tgd, tp, dgd, dp)
+    view = root_view(state)
+    with jax.named_scope("verify"):
+        ver = verify_forward(info, ROOT_ONLY, target, view, slots, active)
+    with jax.named_scope("accept"):
+        acc = accept(ROOT_ONLY, view, ver, slots, active, samp, want_logprobs, stochastic, kernels=kernels)
+    with jax.named_scope("draft_extend"):
+        new, _, _ = _commit(info, target, draft, state, ver, acc, slots, active)
+    _, active = _rows(state, slots, active)
+    upd = jnp.where(active, slots, state.cache.seq_lens.shape[0])
+    new = dataclasses.replace(new, tree_tokens=new.tree_tokens.at[upd, 0].set(acc.bonus, mode="drop"))
+    return _widen(acc.out, spec.num_steps + 1), new
 
 
 class SpecSteps(NamedTuple):

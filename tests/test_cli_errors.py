@@ -64,6 +64,8 @@ CASES = [  # (extra arguments, what the message must say)
      "with --topk=1 (a chain) --num-draft-tokens must equal --num-steps (2), got 3"),
     (["--speculate", "--model", "{tiny}"], "--speculate uses the EAGLE-3 head shipped for the default model"),
     (["--choice", ""], "--choice must hold non-empty strings"),
+    (["--speculate-below", "0"], "argument --speculate-below: must be an integer >= 1, got 0"),
+    (["--speculate-below", "8"], "--speculate-below applies to speculative decoding: give --speculate or --draft"),
     (["--json-schema", "{tmp}/missing.json"], "--json-schema: cannot read {tmp}/missing.json"),
     (["--grammar", "{tmp}/missing.ebnf"], "--grammar: cannot read {tmp}/missing.ebnf"),
 ]

@@ -232,7 +232,7 @@ def test_cli_speculate_uses_the_shipped_head(llm, tmp_path, monkeypatch, caplog)
         (head / name).symlink_to(DEFAULT_HEAD_DIR / name)
     meta = json.loads((DEFAULT_HEAD_DIR / "specjax.json").read_text())
     meta["spec_defaults"] = {"1": {"num_steps": 3, "topk": 2, "num_draft_tokens": 5},
-                             "8": {"num_steps": 2, "topk": 1, "num_draft_tokens": 2}}
+                             "8": {"num_steps": 2, "topk": 1, "num_draft_tokens": 2}, "16": "plain", "32": "plain"}
     (head / "specjax.json").write_text(json.dumps(meta))
     monkeypatch.setattr(specjax.assets, "DEFAULT_HEAD_DIR", head)
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -247,14 +247,16 @@ def test_cli_speculate_uses_the_shipped_head(llm, tmp_path, monkeypatch, caplog)
     assert got["accept_len_mean"] >= 1.0
     assert "num_steps=3 topk=2 num_draft_tokens=5 (the draft's spec_defaults for batch 1)" in caplog.text
     assert "speculative (eagle3: num_steps=3 topk=2 num_draft_tokens=5" in caplog.text  # the engine runs it
+    assert "lite steps (plain, the draft kept in sync) for batches of >= 16 rows" in caplog.text  # "plain" from 16
 
 
 def test_head_spec_defaults(tmp_path):
-    """The entry of the largest batch <= the asked one (else the smallest); malformed tables are
-    named errors; no table: None."""
-    from specjax.checkpoint import CheckpointError, head_spec_defaults
+    """The entry of the largest batch <= the asked one (else the smallest), "plain" entries skipped;
+    the threshold of lite steps: the smallest batch from which every entry is "plain"; malformed
+    tables are named errors; no table: None."""
+    from specjax.checkpoint import CheckpointError, head_spec_defaults, head_speculate_below
     (tmp_path / "specjax.json").write_text(json.dumps({"kind": "eagle3"}))
-    assert head_spec_defaults(tmp_path, 4) is None
+    assert head_spec_defaults(tmp_path, 4) is None and head_speculate_below(tmp_path) is None
     table = {"1": {"num_steps": 5, "topk": 1, "num_draft_tokens": 5}, "16": {"num_steps": 3, "topk": 2},
              "64": {"num_steps": 2}}
     (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": table}))
@@ -264,7 +266,17 @@ def test_head_spec_defaults(tmp_path):
     assert head_spec_defaults(tmp_path, 512) == (table["64"], 64)
     (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": {"4": {"num_steps": 5}}}))
     assert head_spec_defaults(tmp_path, 1) == ({"num_steps": 5}, 4)  # smaller than every entry
-    for bad in ({"one": {"num_steps": 2}}, {"1": {"topk": 2}}, {"1": 3}):
+    table = {"1": {"num_steps": 5}, "8": "plain", "16": {"num_steps": 3}, "32": "plain", "64": "plain"}
+    (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": table}))
+    assert head_spec_defaults(tmp_path, 8) == ({"num_steps": 5}, 1)  # "plain" entries give no tree shape
+    assert head_spec_defaults(tmp_path, 64) == ({"num_steps": 3}, 16)
+    assert head_speculate_below(tmp_path) == 32  # every entry from 32 on is "plain" (8 alone is not enough)
+    table["64"] = {"num_steps": 2}
+    (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": table}))
+    assert head_speculate_below(tmp_path) is None  # speculation pays at the largest batch measured
+    (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": {"1": "plain"}}))
+    assert head_spec_defaults(tmp_path, 4) is None and head_speculate_below(tmp_path) == 1
+    for bad in ({"one": {"num_steps": 2}}, {"1": {"topk": 2}}, {"1": 3}, {"1": "plainly"}):
         (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": bad}))
         with pytest.raises(CheckpointError, match="spec_defaults"):
             head_spec_defaults(tmp_path, 1)

@@ -1,0 +1,261 @@
+"""Adaptive speculation (BatchOptions.speculate_below, specjax.dispatch_plan): a speculative engine
+runs lite steps (step.spec_lite_step: plain decoding that keeps the draft in sync) for batches of
+>= speculate_below rows and fused steps below. Requests arriving and finishing over time move the
+batch across the threshold both ways: greedy float32 outputs equal plain decoding token for token
+(EAGLE-3 tree, the target as its own chain draft (a chain keeps sampled-draft proposals), the n-gram
+drafter; penalties, stop ids, max_tokens), also with lite steps only; the draft stays in sync (the
+self-drafting chain accepts every token again after the first fused step that follows lite steps);
+the switches compile nothing once warm and leak no page or slot. Sampling: the joint law of the first three tokens through a
+lite step and then a fused step verifying the stale tree equals the exact law (chi-square), and the
+same check rejects a stale tree verified against proposals it was not drawn from."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import IdTokenizer, tiny_config, tiny_model
+from specjax import programs as prog
+from specjax.decode import whole_prompts
+from specjax.dispatch_plan import runs_lite
+from specjax.drafter import DraftInfo
+from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
+from specjax.kv_cache import init_cache
+from specjax.request import Request
+from specjax.sampling import SamplingArrays
+from specjax.sampling_params import SamplingParams
+from specjax.step import init_spec_state
+from specjax.tree import SpecConfig
+from test_compile_once import CompileCounter
+
+MAX_SEQ = 64
+EOS = 96
+ARRIVALS = (0, 3, 9, 13)  # engine step at which each request is added: the batch goes 1 -> 2 -> 1 -> 2 ...
+
+
+@pytest.fixture(scope="module")
+def world():
+    cfg = tiny_config()  # two layers: greedy outputs vary (no early fixed point)
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(0, 96, size=n)] for n in (5, 13, 11, 2)]  # one prefill length
+    return cfg, tiny_model(cfg, seed=0), prompts
+
+
+def _engine(world, draft, **batch):
+    cfg, target, _ = world
+    return Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ),
+                  BatchOptions(max_batch=2, steps_per_call=2, spec_steps_per_call=2, **batch), jnp.float32, draft=draft)
+
+
+def _run(eng, prompts, params, below=None, spy=None, arrivals=ARRIVALS):
+    """Run the requests, adding request i at engine step arrivals[i]; speculate_below = below.
+    spy: a list that gets (lite, request ids) of every speculative dispatch."""
+    eng.batch_opts = dataclasses.replace(eng.batch_opts, speculate_below=below)
+    if spy is not None and not hasattr(eng, "_spied"):
+        step = eng.spec_steps.step
+
+        def spied(*a, **kw):  # (lite, the ids of the requests in the dispatch's slots)
+            reqs = [eng.sched.slots[s] if s < len(eng.sched.slots) else None for s in np.asarray(a[4]).tolist()]
+            spy.append((kw["lite"], [r.id for r in reqs if r is not None]))
+            return step(*a, **kw)
+        eng.spec_steps, eng._spied = eng.spec_steps._replace(step=spied), True
+    reqs = [Request(i, None, p, params[i], IdTokenizer(), (EOS,), MAX_SEQ, 11 + i) for i, p in enumerate(prompts)]
+    t = 0
+    while t <= max(arrivals) or eng.has_unfinished():
+        for i, a in enumerate(arrivals):
+            if a == t:
+                eng.add_request(reqs[i])
+        eng.step()
+        t += 1
+    assert all(s is None for s in eng.slots)
+    assert eng.alloc.num_free == eng.alloc.num_pages - 1  # every page back (cached prefixes count as free)
+    return reqs
+
+
+def _params(stop_id=None):
+    return [SamplingParams(max_tokens=56, temperature=0, ignore_eos=True, repetition_penalty=1.1),
+            SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                           stop_token_ids=[] if stop_id is None else [stop_id]),
+            SamplingParams(max_tokens=12, temperature=0, frequency_penalty=0.7, presence_penalty=0.3,
+                           repetition_penalty=1.3, ignore_eos=True),
+            SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)]
+
+
+@pytest.fixture(scope="module")
+def plain(world):
+    """Plain decoding's outputs of the requests (r1 stops at a token it emits, r2 has penalties)."""
+    eng = _engine(world, None)
+    first = _run(eng, world[2], _params())
+    params = _params(first[1].token_ids[6])
+    reqs = _run(eng, world[2], params)
+    assert reqs[1].finish_reason == "stop" and len(reqs[1].token_ids) == 7
+    return params, [(r.token_ids, r.finish_reason) for r in reqs]
+
+
+def _draft(cfg, target, kind) -> Draft:
+    if kind == "eagle3 tree":
+        from test_spec_eagle import random_head
+        head, ecfg = random_head(cfg, "eagle3", seed=3, draft_vocab=80, aux_layers=(0, 1, 2))
+        return Draft(head, ecfg.layer, DraftInfo("eagle3", ecfg.aux_layers),
+                     SpecConfig(method="eagle3", num_steps=3, topk=2, num_draft_tokens=5))
+    if kind == "self chain":  # the target as its own draft: every drafted token is right
+        return Draft(target, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=3))
+    return Draft(None, None, DraftInfo("ngram"), SpecConfig(method="ngram", num_steps=3, topk=2))
+
+
+def _check_in_sync(spy, lens, per_call: int, full: int):
+    """The self-drafting request r0 accepts all `full` tokens of every fused step except the first
+    one after lite steps (it verifies the stale tree, grown before them; the draft's extend over the
+    lite steps' tokens keeps the following ones right). spy: (lite, request ids) of the dispatches;
+    lens: r0's accept_lens (its fused steps, per_call per fused dispatch: the pages for them are
+    always free here). Returns the fused steps that followed lite steps and had to be full."""
+    i, prev_lite, seen_lite, checked = 0, False, False, 0
+    for lite, ids in spy:
+        if 0 not in ids:
+            continue
+        if not lite:
+            for k, n in enumerate(lens[i:i + per_call]):
+                stale = prev_lite and k == 0
+                assert stale or n == full, (i + k, lens)
+                checked += seen_lite and not stale
+            i += per_call
+        prev_lite = lite
+        seen_lite |= lite
+    assert i >= len(lens)
+    return checked
+
+
+@pytest.mark.parametrize("kind", ["eagle3 tree", "self chain", "ngram tree"])
+def test_switching_equals_plain(world, plain, kind):
+    """Threshold 2 (the batch crosses it both ways), 1 (lite steps only), 2 again and None (fused
+    steps only): the outputs of plain decoding each time. Once warm (the third run) switching
+    compiles nothing; every run gives back every page and slot (_run)."""
+    cfg, target, prompts = world
+    params, want = plain
+    eng = _engine(world, _draft(cfg, target, kind))
+    if kind == "self chain":
+        assert eng.state.draft_probs is not None  # the chain keeps sampled-draft proposals
+    spy = []
+
+    def outs(below):
+        reqs = _run(eng, prompts, params, below=below, spy=spy)
+        outs.r0 = reqs[0]
+        return [(r.token_ids, r.finish_reason) for r in reqs]
+    assert outs(2) == want
+    if kind == "self chain":  # the draft stayed in sync through the lite steps
+        assert _check_in_sync(spy, outs.r0.accept_lens, 2, 4) >= 3
+    kinds = [lite for lite, _ in spy]
+    assert any(a and not b for a, b in zip(kinds, kinds[1:])) and any(b and not a for a, b in zip(kinds, kinds[1:]))
+    st = eng.stats()
+    assert (st["lite_dispatches"], st["spec_dispatches"]) == (sum(kinds), len(kinds) - sum(kinds))
+    assert st["lite_dispatch_steps"] >= st["lite_dispatches"] and st["decode_dispatches"] == 0
+    spy.clear()
+    assert outs(1) == want
+    assert spy and all(lite for lite, _ in spy)
+    compiled = eng.num_compiled()
+    with CompileCounter() as c:
+        assert outs(2) == want
+    assert c.n == 0 and eng.num_compiled() == compiled, "switching compiled again in steady state"
+    if kind == "eagle3 tree":
+        spy.clear()
+        assert outs(None) == want
+        assert spy and not any(lite for lite, _ in spy)
+
+
+def test_policy(tmp_path):
+    """The threshold: lite steps from speculate_below rows; LLM(speculate_below=...) resolved from
+    the draft's measurements ("auto"), checked, and refused without a draft."""
+    import json
+
+    from specjax.llm import resolve_speculate_below
+    assert not runs_lite(7, 8) and runs_lite(8, 8) and runs_lite(64, 8) and not runs_lite(64, None)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="speculate_below"):
+            BatchOptions(speculate_below=bad)
+        with pytest.raises(ValueError, match="speculate_below"):
+            resolve_speculate_below(bad, "self")
+    (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": {"1": {"num_steps": 4}, "8": "plain"}}))
+    assert resolve_speculate_below("auto", str(tmp_path)) == 8
+    assert resolve_speculate_below(None, str(tmp_path)) is None and resolve_speculate_below(4, str(tmp_path)) == 4
+    assert resolve_speculate_below("auto", "self") is None and resolve_speculate_below("auto", None) is None
+    with pytest.raises(ValueError, match="needs speculative decoding"):
+        resolve_speculate_below(4, None)
+
+
+# ----------------------------------------------------------------------------- sampling law
+
+V = 6
+ROWS = 3000
+
+
+def _lite_then_fused(cfg, target, draft, spec, temperature, top_p):
+    """First three tokens of ROWS requests: prefill (token 1), a lite step (token 2), a fused step
+    verifying the stale tree (token 3 on); then again from the same lite step with the stale nodes'
+    proposals corrupted (node 1's and node 2's swapped: not what they were drawn from). Through the
+    engine's programs. -> (first3, the fused step's num_accepted [ROWS], first3 corrupted)."""
+    progs, tw, dw = prog.spec_programs(DraftInfo("draft"), spec, *nnx.split(target), *nnx.split(draft))
+    pps = 8
+    cache = init_cache(cfg, num_pages=1 + ROWS * pps, page_size=4, max_slots=ROWS, max_seq_len=4 * pps,
+                       dtype=jnp.float32)
+    cache.page_table = jnp.asarray(1 + np.arange(ROWS * pps, dtype=np.int32).reshape(ROWS, pps))
+    dkv = init_cache(cfg, num_pages=1 + ROWS * pps, page_size=4, max_slots=ROWS, max_seq_len=4 * pps,
+                     dtype=jnp.float32).kv
+    state = init_spec_state(cache, dkv, spec, V)
+    samp = SamplingArrays(temperature=jnp.full((ROWS,), temperature, jnp.float32),
+                          top_p=jnp.full((ROWS,), top_p, jnp.float32), top_k=jnp.zeros((ROWS,), jnp.int32),
+                          seed=jnp.arange(ROWS, dtype=jnp.uint32) * 7919 + 13)
+    from test_spec_sampling import PROMPT
+    slots = jnp.arange(ROWS, dtype=jnp.int32)
+    rows = whole_prompts(jnp.asarray(np.tile(np.array(PROMPT, np.int32), (ROWS, 1))),
+                         jnp.full((ROWS,), len(PROMPT), jnp.int32), slots)
+    out, _, state, samp_all = progs.prefill(tw, dw, state, prog.init_samp(ROWS), rows, samp, None,
+                                            want_logprobs=False, stochastic=True)
+    active, stop = jnp.ones((ROWS,), bool), prog.no_stop(ROWS)
+
+    def step(state, lite):
+        o, _, state = progs.step(tw, dw, state, samp_all, slots, active, None, stop, num_steps=1, lite=lite,
+                                 want_logprobs=False, stochastic=True)
+        t, n = np.asarray(o.tokens)[0], np.asarray(o.num_accepted)[0]  # [ROWS, S + 1], [ROWS]
+        assert ((t >= 0) == (np.arange(t.shape[1])[None] < n[:, None])).all()
+        assert (n == 1).all() if lite else (n >= 1).all()
+        return t, n, state
+
+    t2, _, state = step(state, True)
+    q = state.draft_probs  # [ROWS, N, V]
+    q = q.at[:, 1].set(q[:, 2]).at[:, 2].set(q[:, 1])
+    swapped = jax.tree.map(jnp.copy, dataclasses.replace(state, draft_probs=q))  # a copy: `state` is donated
+    t3, n, _ = step(state, False)
+    t3_bad, _, _ = step(swapped, False)
+
+    def first3(*streams):
+        return np.stack([row[row >= 0][:3] for row in np.concatenate(streams, axis=1)])
+    t1 = np.asarray(out.tokens)[:, None]
+    return first3(t1, t2, t3), n, first3(t1, t2, t3_bad)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """test_spec_sampling's models: a target and another draft model over a vocabulary of V."""
+    from test_spec_sampling import _cfg
+    cfg = _cfg()
+    assert cfg.vocab_size == V
+    return cfg, tiny_model(cfg, seed=0, std=0.25), tiny_model(cfg, seed=11, std=0.25)
+
+
+def test_lite_then_fused_sampling_law(small):
+    """A sampled chain (proposals draft_probs) of another model: tokens 1 - 3 from prefill, a lite
+    step and the fused step that verifies the stale chain follow the exact law; with the stale
+    proposals swapped the same check rejects."""
+    from test_spec_sampling import _chi2_pvalue, _counts, _exact_law
+    cfg, target, other = small
+    law = _exact_law(cfg, target, 0.9, 0.9)
+    first3, n, corrupted = _lite_then_fused(cfg, target, other, SpecConfig(method="draft", num_steps=2), 0.9, 0.9)
+    pval, stat, dof = _chi2_pvalue(_counts(first3), law)
+    assert pval > 1e-3, (pval, stat, dof)
+    assert (n >= 2).mean() > 0.05  # stale drafts do get accepted: their proposals matter
+    pval, _, _ = _chi2_pvalue(_counts(corrupted), law)
+    assert pval < 1e-6
