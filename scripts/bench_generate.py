@@ -102,6 +102,7 @@ def run(llm, B, a, spec: bool):
                 third_compiles=third["compiles"], tok_s=round(max(second["tok_s"], third["tok_s"]), 1),
                 tok_s_second=round(second["tok_s"], 1), tok_s_third=round(third["tok_s"], 1), tau=tau,
                 speculate_below=llm.engine.batch_opts.speculate_below if spec else None,
+                attention=llm.engine.attention_choice["attention"],
                 **{k: v for k, v in third.items() if k.endswith(("_dispatches", "_dispatch_steps"))})
 
 
@@ -117,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-spec", action="store_true")
     p.add_argument("--no-plain", action="store_true")
     p.add_argument("--spec-steps-per-call", type=int, default=None)
+    p.add_argument("--attention", default="auto", help="paged-attention implementation (specjax.attention)")
     p.add_argument("--speculate-below", type=speculate_below_arg, default="auto",
                    help="lite steps (plain, the draft kept in sync) for batches of >= N rows; 'none': always "
                    "speculate; auto: the draft's measured spec_defaults")
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
         pair = {}
         for spec in ([] if a.no_plain else [False]) + ([] if a.no_spec else [True]):
             llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=draft if spec else None,
-                      speculate_below=a.speculate_below if spec else "auto")
+                      speculate_below=a.speculate_below if spec else "auto", attention=a.attention)
             if spec and a.spec_steps_per_call is not None:
                 import dataclasses
                 llm.engine.batch_opts = dataclasses.replace(llm.engine.batch_opts,

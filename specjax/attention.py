@@ -14,7 +14,7 @@ program built from it. Implementations (same contract: pallas_kernels/paged_atte
               dtypes). "auto" on TPU; where it cannot serve, the reference runs and `resolve` says so.
   cudnn       cuDNN fused attention over the gathered pages (GPU bf16 / f16; reads every page).
 
-"auto" order: gpu -> mosaic_gpu, pallas, reference; tpu -> tpu, reference; cpu -> reference.
+"auto" order: gpu -> mosaic_gpu, cudnn, reference (cudnn first for plain decoding of one row); tpu -> tpu, reference; cpu -> reference.
 With tensor parallelism (a mesh) the kernels are not used yet (they are not wrapped in shard_map):
 "auto" takes cudnn on GPU (bf16 / f16) or the reference and says so.
 """
@@ -29,11 +29,14 @@ import jax.numpy as jnp
 from pallas_kernels.paged_attention import gather_kv, paged_attention_reference, visibility_mask
 from specjax.kernel_choice import Choice, choose
 
-# GPU "auto" keeps cuDNN (bf16/fp16) and the reference (f32): measured on an H100 (jax 0.11.2), the
-# Mosaic GPU / Triton kernels are correct and fast alone (scripts/check_paged_attention_gpu.py) but
-# the engine's programs with them compiled for minutes (docs/benchmarks.md); opt in with
-# attention="mosaic_gpu" / "pallas" (--attention) until that is fixed.
-AUTO_ORDER = {"gpu": ("cudnn", "reference"), "tpu": ("tpu", "reference"), "cpu": ("reference",)}
+# GPU "auto": the Mosaic GPU kernel (Hopper, bf16 / f16), else cuDNN (bf16 / f16), else the reference.
+# Measured on an H100 (SmolLM2 + its EAGLE-3 head, tree 5/4/16, engine steady state, docs/benchmarks.md):
+# with the kernel, 4 fused speculative steps take 10.8 ms at batch 32 (cuDNN, which gathers every
+# page up to the capacity: 17.8 ms) and 7.0 ms at batch 1 (8.0 ms); speculation then beats plain
+# decoding at batch 8, 32 and 64. Plain decoding of one row is the exception (886 vs 1033 tokens/s
+# with cuDNN): a plain engine of max_batch 1 takes cuDNN first (PLAIN_BATCH1_ORDER).
+AUTO_ORDER = {"gpu": ("mosaic_gpu", "cudnn", "reference"), "tpu": ("tpu", "reference"), "cpu": ("reference",)}
+PLAIN_BATCH1_ORDER = ("cudnn", "mosaic_gpu", "reference")  # GPU, plain decoding with max_batch 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,17 +178,20 @@ def _checks(backend: str, dtype, page_size: int, head_dim: int, interpret: bool,
 
 
 def resolve(requested: str = "auto", *, dtype, page_size: int, head_dim: int, backend: str | None = None,
-            interpret: bool = False, mesh=None, **tuning) -> tuple[AttnImpl, Choice]:
+            interpret: bool = False, mesh=None, plain_batch: int | None = None, **tuning) -> tuple[AttnImpl, Choice]:
     """The implementation for this configuration, chosen once (outside traced code) and logged.
     backend: the platform the programs are for (default: jax's default backend; "tpu" to export
     TPU programs from a CPU host). interpret: Pallas kernels in their interpreter (CPU tests).
-    tuning: block_q / block_kv / num_splits for the kernels. Forcing an implementation that cannot
+    tuning: block_q / block_kv / num_splits for the kernels. plain_batch: the rows of a plain-decoding
+    engine (None: speculative decoding, or not known), which changes "auto" at batch 1 on GPUs. Forcing an implementation that cannot
     serve the configuration raises, naming the reason."""
     backend = backend or jax.default_backend()
     if backend == "cuda" or backend == "rocm":
         backend = "gpu"
     checks = _checks(backend, dtype, page_size, head_dim, interpret, mesh)
     order = AUTO_ORDER.get(backend, ("reference",))
+    if backend == "gpu" and plain_batch == 1:
+        order = PLAIN_BATCH1_ORDER
     if mesh is not None and backend == "gpu":
         order = ("cudnn", "reference")
     checks = {n: checks.get(n, lambda: None) for n in _FACTORIES}  # registered plug-ins: no checks

@@ -156,8 +156,9 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel", type=positive_int, default=1,
                    help="shard the model (heads, MLP, vocabulary, KV heads) over N devices")
     g.add_argument("--attention", default="auto", choices=["auto", "reference", "pallas", "mosaic_gpu", "tpu", "cudnn"],
-                   help="paged-attention implementation (auto: cuDNN on NVIDIA GPUs, the TPU kernel "
-                        "on TPU, the jnp reference on the CPU; chosen once at start)")
+                   help="paged-attention implementation (auto: the Mosaic GPU kernel on Hopper GPUs, cuDNN "
+                        "on other NVIDIA GPUs and for plain decoding of one row, the TPU kernel on TPU, the "
+                        "jnp reference on the CPU; chosen once at start)")
     g.add_argument("--speculate", nargs="?", const="head", choices=("head", "ngram"), default=None,
                    help="speculative decoding: 'head' (also with no value) the EAGLE-3 head shipped for the "
                    "default model; 'ngram' drafts copied from the prompt and output so far (prompt lookup, "

@@ -262,7 +262,8 @@ class Engine(GrammarSteps):
                          num_splits=attention.num_splits)
 
         def pick(c):
-            return attn_lib.resolve(req, dtype=dtype, page_size=page_size, head_dim=c.head_dim, mesh=mesh, **knobs)
+            return attn_lib.resolve(req, dtype=dtype, page_size=page_size, head_dim=c.head_dim, mesh=mesh,
+                                    plain_batch=self.batch_opts.max_batch if draft is None else None, **knobs)
 
         impl, choice = pick(cfg)
         self.attention_choice = {"attention": str(choice)}

@@ -67,9 +67,14 @@ def test_resolve_auto_per_backend(monkeypatch, caplog):
     assert name == "reference" and "page_size 8 is not a multiple of 16" in note
     name, note = auto(backend="tpu", dtype=jnp.float32, page_size=16, head_dim=64)
     assert name == "reference" and "head_dim 64" in note
-    # GPU: cuDNN for bf16 / fp16, the reference for f32 (the kernels are opt-in, see AUTO_ORDER)
+    # GPU (Hopper): the Mosaic GPU kernel for bf16 / fp16 (cuDNN first for plain decoding of one row),
+    # the reference for f32
     monkeypatch.setattr(attention, "_gpu_kind", lambda: "9.0")
-    assert auto(backend="gpu", **bf16)[0] == "cudnn"
+    assert auto(backend="gpu", **bf16)[0] == "mosaic_gpu"
+    assert auto(backend="gpu", plain_batch=8, **bf16)[0] == "mosaic_gpu"
+    assert auto(backend="gpu", plain_batch=1, **bf16)[0] == "cudnn"
+    name, note = auto(backend="gpu", dtype=jnp.bfloat16, page_size=4, head_dim=128)
+    assert name == "cudnn" and "page_size 4" in note  # where the kernel cannot serve: cuDNN, with the reason
     name, note = auto(backend="gpu", dtype=jnp.float32, page_size=16, head_dim=128)
     assert name == "reference" and "bf16 / fp16" in note
     # forced kernels still check what they need (Hopper, page sizes), with the reason
@@ -79,6 +84,7 @@ def test_resolve_auto_per_backend(monkeypatch, caplog):
     monkeypatch.setattr(attention, "_gpu_kind", lambda: "8.0")
     with pytest.raises(Exception, match="Hopper"):
         attention.resolve("mosaic_gpu", backend="gpu", **bf16)
+    assert auto(backend="gpu", **bf16)[0] == "cudnn"  # not a Hopper GPU
     # tensor parallelism: no kernels yet, said so by the order (cuDNN, reference)
     assert auto(backend="gpu", mesh=object(), **bf16)[0] == "cudnn"
     assert auto(backend="gpu", mesh=object(), dtype=jnp.float32, page_size=16, head_dim=128)[0] == "reference"
