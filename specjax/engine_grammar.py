@@ -180,10 +180,11 @@ class GrammarSteps:
         after its sequence, for a prefill ([B, 1, S + 1]); -1 where there is none. masks: the rows'
         masks by request id (_grammar_masks), where the continuations start. None without a draft
         model or head (the n-gram drafter takes none). SchedulerOptions(grammar_drafts=False): all -1
-        (the same programs run, the trees are the draft's own)."""
+        (the same programs run, the trees are the draft's own). A request whose tree drafts found
+        nothing lately skips them for a while (specjax.grammar_drafts.Pause)."""
         if self.draft is None or not self.draft.info.has_model:
             return None
-        from specjax.grammar_drafts import continuation, tree_drafts
+        from specjax.grammar_drafts import continuation, pause_of, tree_drafts
         S = self.draft.spec.num_steps
         out = np.full((B, self.draft.spec.num_nodes if tree else 1, S + 1), -1, np.int32)
         if not self.opts.grammar_drafts:
@@ -196,7 +197,11 @@ class GrammarSteps:
             m = masks.get(id(req))
             try:
                 if tree:
+                    pause = pause_of(req.grammar)
+                    if not pause.wanted():  # a grammar that fixed nothing lately (grammar_drafts.Pause)
+                        continue
                     out[b] = tree_drafts(req.grammar, *req.tree, S + 1, masks=m)
+                    pause.record(bool((out[b] >= 0).any()))
                 else:
                     continuation(req.grammar, S + 1, mask=m, out=out[b, 0])
             except Exception as e:  # noqa: BLE001 - drafts are optional: the row's trees stay the draft's

@@ -332,3 +332,36 @@ def test_engine_drafts_skip_a_grammar_that_raises(small, caplog):
     assert (eng._grammar_drafts([(0, ok)], 2, tree=False) == -1).all()
     eng.draft = dataclasses.replace(eng.draft, info=DraftInfo("ngram"))
     assert eng._grammar_drafts([(0, ok)], 2, tree=False) is None
+
+
+def test_drafts_pause_for_a_grammar_that_fixes_nothing(small, monkeypatch):
+    """Tree drafts cost the host per node: a request whose drafts found nothing for IDLE_STEPS steps
+    skips them for PAUSE_STEPS steps, then probes once (pausing again if that finds nothing); a
+    grammar that fixes text keeps its drafts every step."""
+    from types import SimpleNamespace
+    from specjax import grammar_drafts as gd
+    from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
+    cfg, target, _, compiler = small
+    eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=32), BatchOptions(max_batch=2), jnp.float32,
+                 draft=Draft(target, cfg, DraftInfo("draft"), CHAIN), grammar=compiler)
+    tree = (np.array([0, 1, 2], np.int32), np.array([-1, 0, 1], np.int32))  # a chain a -> b -> c
+    free = SimpleNamespace(id=0, grammar=compiler.matcher(SamplingParams(regex="[abcd]*").constraint, [S_EOS]),
+                           finished=False, tree=tree)
+    fixed = SimpleNamespace(id=1, grammar=compiler.matcher(SamplingParams(regex="abcd").constraint, [S_EOS]),
+                            finished=False, tree=tree)
+    calls = {0: [], 1: []}
+    real = gd.tree_drafts
+    monkeypatch.setattr(gd, "tree_drafts", lambda g, *a, **k: calls[0 if g is free.grammar else 1].append(1)
+                        or real(g, *a, **k))
+    steps = gd.IDLE_STEPS + 2 * (gd.PAUSE_STEPS + 1) + 3
+    for _ in range(steps):
+        got = eng._grammar_drafts([(0, free), (1, fixed)], 2)
+        assert (got[0] == -1).all() and got[1, 0].tolist() == [0, 1, 4]  # a b cd after the root
+    # free: IDLE_STEPS computed, then one probe after each pause; fixed: every step
+    assert len(calls[0]) == gd.IDLE_STEPS + 2 and len(calls[1]) == steps
+    p = gd.Pause()  # a token found ends the pause's count at once
+    for _ in range(gd.IDLE_STEPS - 1):
+        p.record(False)
+    p.record(True)
+    p.record(False)
+    assert p.wanted() and p.idle == 1
