@@ -279,6 +279,11 @@ def _finish_note(o, a) -> str:
     return f"[finish_reason: {o.finish_reason}{f' ({why})' if why else ''}]"
 
 
+def engine_slots(max_batch: int, num_prompts: int) -> int:
+    """Slots of the engine `specjax generate` builds: --max-batch, at most one per prompt."""
+    return max(1, min(max_batch, num_prompts))
+
+
 def cmd_generate(a) -> int:
     if a.prompt is None and a.prompts is None:
         raise UsageError("give --prompt TEXT or --prompts FILE.jsonl")
@@ -287,6 +292,9 @@ def cmd_generate(a) -> int:
     check_model_arguments(a)
     from specjax.machine import log_backend
     log_backend()
+    # no more slots than prompts: the engine's batch-size choices (the draft's measured tree shape,
+    # the attention implementation) are those of the batch that runs
+    a.max_batch = engine_slots(a.max_batch, len(rows))
     llm = llm_from_args(a)
     chat = a.chat if a.chat is not None else bool(llm.tokenizer.chat_template)
     prepared = [_prepare(r, llm, chat) for r in rows]

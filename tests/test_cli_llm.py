@@ -156,15 +156,18 @@ def test_longest_allowed_prompt_is_accepted(llm):
 
 # ----------------------------------------------------------------- CLI
 
-def test_cli_generate_jsonl(llm, tmp_path):
+def test_cli_generate_jsonl(llm, tmp_path, caplog):
+    import logging
     rows = [{"prompt": TEXTS[0]},
             {"turns": [QUESTION, "and the second?"], "question_id": 7, "category": "x"},
             {"prompt_ids": llm.tokenizer.encode(TEXTS[2], add_special_tokens=False), "extra": [1, {"a": 2}]}]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    rc = main(["generate", "--prompts", str(src), "--output", str(out), "--max-tokens", "8", "--dtype", "float32",
-               "--temperature", "0", "--max-batch", "4", "--max-seq-len", str(MAX_SEQ)])
+    with caplog.at_level(logging.INFO, logger="specjax"):
+        rc = main(["generate", "--prompts", str(src), "--output", str(out), "--max-tokens", "8", "--dtype",
+                   "float32", "--temperature", "0", "--max-batch", "4", "--max-seq-len", str(MAX_SEQ)])
     assert rc == 0
+    assert "; 3 slots of " in caplog.text  # no more slots than prompts (--max-batch 4)
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(got) == 3
     # reference: the same prompts through the library (text prompts with the chat template)
