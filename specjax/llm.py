@@ -96,8 +96,9 @@ class LLM:
         kernel that compiles, else the jnp reference), or "reference" / "pallas" / "mosaic" /
         "mosaic:pallas_call" to force one (raises if it does not compile). `llm.engine.info` (logged at
         INFO on the "specjax" logger) says which one runs.
-        attention: paged-attention implementation ("auto": the Mosaic GPU kernel on Hopper, the TPU
-        kernel on TPU, the jnp reference on CPU; see specjax.attention); `LLM.engine.attention_choice` says which.
+        attention: paged-attention implementation ("auto": the Mosaic GPU kernel on Hopper (cuDNN
+        for plain decoding with max_batch 1 and on other GPUs), the TPU kernel on TPU, the jnp
+        reference on CPU; see specjax.attention); `LLM.engine.attention_choice` says which.
         prefix_cache: reuse the KV pages of prompt prefixes already computed (a shared system
         prompt, earlier turns); outputs are those without it.
         max_prefill_tokens: tokens (rows x padded length) of one prefill call; longer prompts are
