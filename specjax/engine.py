@@ -82,9 +82,13 @@ class BatchOptions:
     #                                     this many rows on (specjax.dispatch_plan); None: always fused
 
     def __post_init__(self):
-        b = self.speculate_below
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"BatchOptions.speculate_below must be None or an int >= 1, got {b!r}")
+        check_speculate_below(self.speculate_below)
+
+
+def check_speculate_below(value) -> None:
+    """speculate_below is None or an int >= 1 (ValueError naming the value otherwise)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"speculate_below must be None, 'auto' or an int >= 1, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

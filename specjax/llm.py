@@ -13,7 +13,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from specjax import multihost
-from specjax.engine import BatchOptions, CacheOptions, Engine
+from specjax.engine import BatchOptions, CacheOptions, Engine, check_speculate_below
 from specjax.request import Request, RequestOutput
 from specjax.sampling_params import SamplingParams, SamplingParamsError
 from specjax.scheduler import SchedulerOptions
@@ -69,8 +69,7 @@ def resolve_speculate_below(value, draft) -> int | None:
             log.info("speculation: lite steps for batches of >= %d rows (the draft's spec_defaults: plain decoding "
                      "measured faster from batch %d on)", below, below)
         return below
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"speculate_below must be an int >= 1, None or 'auto', got {value!r}")
+    check_speculate_below(value)  # before any weights are loaded
     if value is not None and draft is None:
         raise ValueError(f"speculate_below={value} needs speculative decoding (a draft)")
     return value
