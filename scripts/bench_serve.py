@@ -77,7 +77,7 @@ def _get(url: str, timeout: float = 10.0) -> tuple[int, str]:
 
 def server_has_prefix_cache() -> bool:
     out = subprocess.run([sys.executable, "-m", "specjax.cli", "serve", "--help"], capture_output=True, text=True,
-                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))), timeout=300)
     return "--no-prefix-cache" in out.stdout
 
 
@@ -98,7 +98,7 @@ class Server:
             cmd += ["--no-prefix-cache"]
         log = open(a.server_log, "a") if a.server_log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env=dict(os.environ, PYTHONPATH=str(REPO)))
+                                     env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))))
         deadline = time.monotonic() + a.startup_timeout
         while True:
             if self.proc.poll() is not None:
