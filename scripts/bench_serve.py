@@ -15,9 +15,30 @@ Reported per run:
 Prefix cache: when `specjax serve --help` offers --no-prefix-cache, runs are made with the cache on and
 off; otherwise the server has no prefix cache, and the script says so and makes one run per workload.
 
+Two serving goals get their own measurements (helpers in scripts/serve_workloads.py):
+  long prompt  (goal: p99 ITL while a --long-prompt-tokens prompt arrives <= 2x the steady p99; 0: skip)
+               per mode, with the first prefix-cache setting: --long-concurrency streaming requests (short
+               eval-set prompts, as many output tokens as the context holds) decode; once all stream,
+               --long-steady-s to settle, then a steady window of --long-steady-s, then one request of
+               N prompt tokens (the system prompt's filler, tagged so that no cached prefix serves it)
+               and --long-max-tokens output tokens arrives. Reported: ITL p50 / p99 of the background
+               streams in the steady window and from the long request's send to its first token plus a
+               margin (--long-margin-ms, default 2x the steady p99), p99 during / steady, the long
+               request's TTFT, and the prefill chunk budget (--max-prefill-tokens; the server's default
+               unless given: prompts longer than it are prefilled in chunks between decode steps).
+               Run once discarded (compiles the long prefill), then measured. --max-seq-len defaults to
+               2048, or enough for N + --long-max-tokens (a multiple of 1024) when that is more.
+  saturation   (goal: server tok/s at rate inf >= 90 % of LLM.generate's on the same requests) after each
+               server stops (its accelerator memory free), a subprocess runs specjax.LLM(...).generate
+               with the server's settings (model, draft or none, dtype, max_batch, max_seq_len, prefix
+               cache, max_prefill_tokens) on the rate-inf run's requests (chat template, --max-tokens, EOS
+               ignored): call 1 compiles, call 2 is timed (call 3 if call 2 compiled anything: the table
+               says so); server tok/s / generate tok/s is reported.
+               --no-generate-ref skips it.
+
 CPU smoke run (tiny):
-  python scripts/bench_serve.py --dtype float32 --modes plain --num-requests 4 --rates 2 --max-tokens 8 \\
-      --system-prompt-tokens 100 --max-seq-len 512 --max-batch 4
+  python scripts/bench_serve.py --dtype float32 --modes plain --num-requests 4 --rates 2,inf --max-tokens 8 \\
+      --system-prompt-tokens 100 --max-seq-len 512 --max-batch 4 --long-prompt-tokens 300 --long-concurrency 2
 """
 from __future__ import annotations
 
@@ -27,12 +48,15 @@ import json
 import math
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from serve_workloads import child_env, generate_ref, long_prompt_run, one_request, pct
 
 REPO = Path(__file__).resolve().parent.parent
 FILLER = ("The archive keeps records of every voyage: the ship, its crew, the ports it reached, the cargo it "
@@ -54,7 +78,19 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="auto: float32 on the CPU, bfloat16 on GPUs")
     p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="default: 2048, or more to fit --long-prompt-tokens + --long-max-tokens")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="the server's prefill chunk budget (default: `specjax serve`'s)")
+    p.add_argument("--long-prompt-tokens", type=int, default=4000,
+                   help="the long prompt's tokens (0: no long-prompt run)")
+    p.add_argument("--long-concurrency", type=int, default=16, help="streams decoding while the long prompt arrives")
+    p.add_argument("--long-max-tokens", type=int, default=8, help="output tokens of the long request")
+    p.add_argument("--long-steady-s", type=float, default=1.0, help="settling time, then the steady window's length")
+    p.add_argument("--long-margin-ms", type=float, default=None,
+                   help="the arrival window ends this long after the long request's first token "
+                        "(default: 2x the steady ITL p99)")
+    p.add_argument("--no-generate-ref", action="store_true", help="no LLM.generate reference for the rate-inf runs")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=1800.0)
@@ -75,10 +111,16 @@ def _get(url: str, timeout: float = 10.0) -> tuple[int, str]:
         return r.status, r.read().decode()
 
 
-def server_has_prefix_cache() -> bool:
+def serve_help() -> str:
     out = subprocess.run([sys.executable, "-m", "specjax.cli", "serve", "--help"], capture_output=True, text=True,
-                         cwd=REPO, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))), timeout=300)
-    return "--no-prefix-cache" in out.stdout
+                         cwd=REPO, env=child_env(), timeout=300)
+    return " ".join(out.stdout.split())
+
+
+def default_prefill_budget(help_text: str) -> int | None:
+    """`specjax serve`'s default --max-prefill-tokens, from its --help (None: no such flag)."""
+    m = re.search(r"--max-prefill-tokens MAX_PREFILL_TOKENS (?:(?!--).)*?\(default: (\d+)\)", help_text)
+    return int(m.group(1)) if m else None
 
 
 class Server:
@@ -96,9 +138,11 @@ class Server:
             cmd += ["--draft", a.draft]
         if prefix_cache is False:
             cmd += ["--no-prefix-cache"]
+        if a.max_prefill_tokens is not None:
+            cmd += ["--max-prefill-tokens", str(a.max_prefill_tokens)]
         log = open(a.server_log, "a") if a.server_log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))))
+                                     env=child_env())
         deadline = time.monotonic() + a.startup_timeout
         while True:
             if self.proc.poll() is not None:
@@ -132,6 +176,20 @@ def system_prompt(tokenizer, n: int) -> str:
     return tokenizer.decode(ids)
 
 
+def prompt_len(tokenizer, conv) -> int:
+    """Tokens of a conversation's prompt as the server builds it (the chat template)."""
+    return len(tokenizer.encode(tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False))
+
+
+def long_prompt(tokenizer, n: int, tag: str) -> list[dict]:
+    """A user message whose prompt has about n tokens: a tag (prompts of different tags share no cached
+    prefix past the template's own) and the system prompt's filler."""
+    head = f"Request {tag}: "
+    return [{"role": "user", "content": head + system_prompt(tokenizer, max(0, n - prompt_len(
+        tokenizer, [{"role": "user", "content": head}])))}]
+
+
 def load_questions(path: str) -> list[str]:
     out = []
     with open(path) as f:
@@ -140,22 +198,6 @@ def load_questions(path: str) -> list[str]:
                 row = json.loads(line)
                 out.append(row["turns"][0] if "turns" in row else row.get("prompt") or row["question"])
     return out
-
-
-async def one_request(client, model, messages, a, rec: dict):
-    t0 = time.perf_counter()
-    rec.update(sent=t0, chunks=[], tokens=0, error=None)
-    try:
-        stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=a.max_tokens, temperature=a.temperature, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        async for ch in stream:
-            if ch.choices and ch.choices[0].delta.content:
-                rec["chunks"].append(time.perf_counter())
-            if ch.usage is not None:
-                rec["tokens"] = ch.usage.completion_tokens
-    except Exception as e:  # noqa: BLE001 - counted as a failed request
-        rec["error"] = f"{type(e).__name__}: {e}"
 
 
 async def run_load(server, a, convs, rate: float) -> dict:
@@ -175,13 +217,6 @@ async def run_load(server, a, convs, rate: float) -> dict:
     return summarize(recs, t_start)
 
 
-def _pct(xs, q):
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
-
-
 def summarize(recs, t_start) -> dict:
     ok = [r for r in recs if r["error"] is None and r["chunks"]]
     end = max((r["chunks"][-1] for r in ok), default=t_start)
@@ -192,9 +227,9 @@ def summarize(recs, t_start) -> dict:
     tokens = sum(r["tokens"] for r in ok)
     errors = sorted({r["error"] for r in recs if r["error"]})
     return dict(completed=len(ok), failed=len(recs) - len(ok), errors=errors[:3], duration_s=dur,
-                req_per_s=len(ok) / dur, out_tok_per_s=tokens / dur, ttft_p50_ms=_pct(ttft, 50),
-                ttft_p99_ms=_pct(ttft, 99), itl_p50_ms=_pct(itl, 50), itl_p99_ms=_pct(itl, 99),
-                tpot_p50_ms=_pct(tpot, 50))
+                req_per_s=len(ok) / dur, out_tok_per_s=tokens / dur, ttft_p50_ms=pct(ttft, 50),
+                ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(itl, 50), itl_p99_ms=pct(itl, 99),
+                tpot_p50_ms=pct(tpot, 50))
 
 
 async def warm_up(server, a, workloads):
@@ -222,6 +257,22 @@ async def warm_up(server, a, workloads):
             raise SystemExit(f"warm-up run failed: {res['errors']}")
 
 
+def add_generate_ref(a, mode, cache, inf_runs, workloads) -> None:
+    """LLM.generate on the requests of the rate-inf runs (after their server stopped): tok/s, server / it."""
+    print(f"[bench_serve] LLM.generate on the rate-inf requests ({mode}, prefix cache {inf_runs[0]['prefix_cache']})",
+          flush=True)
+    ref = generate_ref(a, mode, cache, {r["workload"]: [workloads[r["workload"]][i % len(workloads[r["workload"]])]
+                                                         for i in range(a.num_requests)] for r in inf_runs})
+    for r in inf_runs:
+        g = ref.get(r["workload"], {})
+        r.update(generate_tok_per_s=g.get("tok_s"), generate_timed_call=g.get("timed_call"),
+                 generate_error=ref.get("error") or (f"{g['failed']} failed" if g.get("failed") else None),
+                 server_over_generate=r["out_tok_per_s"] / g["tok_s"] if g.get("tok_s") else None)
+        print(f"[bench_serve] {mode} | {r['workload']} | rate inf: server {r['out_tok_per_s']:.1f} tok/s, "
+              f"LLM.generate {g.get('tok_s', math.nan):.1f} tok/s" + (f" ({r['generate_error']})"
+                                                                       if r["generate_error"] else ""), flush=True)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     sys.path.insert(0, str(REPO))
@@ -238,19 +289,34 @@ def main(argv=None) -> int:
     if a.shared_prefix in ("both", "on"):
         workloads[f"shared {a.system_prompt_tokens}-token system prompt"] = [
             [{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+    need = a.long_prompt_tokens + a.long_max_tokens + 16 if a.long_prompt_tokens > 0 else 0
+    if a.max_seq_len is None:
+        a.max_seq_len = max(2048, -(-need // 1024) * 1024)
+    elif need > a.max_seq_len:
+        raise SystemExit(f"--long-prompt-tokens {a.long_prompt_tokens} + --long-max-tokens {a.long_max_tokens} "
+                         f"need --max-seq-len >= {need}")
+    if a.long_prompt_tokens > 0 and a.max_batch <= a.long_concurrency:
+        raise SystemExit(f"--long-concurrency {a.long_concurrency} needs --max-batch >= {a.long_concurrency + 1} "
+                         "(a free slot for the long prompt)")
+    # the long-prompt run's background: the plain questions, generating as long as the context allows
+    background = [(c, a.max_seq_len - n - 1) for c in ([{"role": "user", "content": q}] for q in questions)
+                  if (n := prompt_len(tokenizer, c)) + 64 < a.max_seq_len]
+    if a.long_prompt_tokens > 0 and not background:
+        raise SystemExit(f"no prompt leaves 64 tokens to generate in --max-seq-len {a.max_seq_len}")
     for name, convs in workloads.items():  # room for max_tokens in the context
-        fits = [c for c in convs if a.max_tokens + len(tokenizer.encode(tokenizer.apply_chat_template(
-            c, tokenize=False, add_generation_prompt=True), add_special_tokens=False)) < a.max_seq_len]
+        fits = [c for c in convs if a.max_tokens + prompt_len(tokenizer, c) < a.max_seq_len]
         if not fits:
             raise SystemExit(f"no prompt of {name!r} leaves {a.max_tokens} tokens in --max-seq-len {a.max_seq_len}")
         workloads[name] = fits
-    if server_has_prefix_cache():
+    help_text = serve_help()
+    budget = a.max_prefill_tokens or default_prefill_budget(help_text)
+    if "--no-prefix-cache" in help_text:
         caches = {"both": [True, False], "on": [True], "off": [False]}[a.prefix_cache]
     else:
         caches = [None]
         print("[bench_serve] prefix cache: `specjax serve` has no prefix cache (no --no-prefix-cache flag); "
               "every run is without one, and --prefix-cache is a no-op", flush=True)
-    results = []
+    results, long_results = [], []
     for mode in a.modes.split(","):
         for cache in caches:
             label = {None: "n/a (none)", True: "on", False: "off"}[cache]
@@ -278,16 +344,32 @@ def main(argv=None) -> int:
                         print(f"[bench_serve] {mode} | {wname} | rate {rate:g}: {res['out_tok_per_s']:.1f} tok/s, "
                               f"TTFT p50 {res['ttft_p50_ms']:.0f} ms, ITL p99 {res['itl_p99_ms']:.0f} ms"
                               + (f", {res['failed']} failed: {res['errors']}" if res["failed"] else ""), flush=True)
+                if a.long_prompt_tokens > 0 and cache == caches[0]:
+                    for i in range(2):  # the first run compiles the long prefill: discarded
+                        res = asyncio.run(long_prompt_run(server, a, background,
+                                                          long_prompt(tokenizer, a.long_prompt_tokens, str(i))))
+                    res.update(mode=mode, prefix_cache=label, prefill_budget=budget,
+                               prefill_chunk=max(16, min(budget, a.max_seq_len)) if budget else None)  # Scheduler.chunk
+                    long_results.append(res)
+                    print(f"[bench_serve] {mode} | long prompt: {res.get('long_prompt_tokens')} tokens, ITL p99 "
+                          f"steady {res.get('itl_steady_p99_ms', math.nan):.1f} ms, during "
+                          f"{res.get('itl_during_p99_ms', math.nan):.1f} ms"
+                          + (f", {res['failed']} failed: {res['errors']}" if res["failed"] else ""), flush=True)
             finally:
                 server.stop()
+            inf_runs = [r for r in results if (r["mode"], r["prefix_cache"], r["rate"]) == (mode, label, math.inf)]
+            if inf_runs and not a.no_generate_ref:
+                add_generate_ref(a, mode, cache, inf_runs, workloads)
     print_table(results, a)
+    print_goals(results, long_results, a)
     if a.json:
-        Path(a.json).write_text(json.dumps(dict(args=vars(a), results=results), indent=1))
-    return 0 if all(r["failed"] == 0 for r in results) else 1
+        Path(a.json).write_text(json.dumps(dict(args=vars(a), results=results, long_prompt=long_results), indent=1))
+    return 0 if all(r["failed"] == 0 for r in results + long_results) else 1
 
 
 def print_table(results, a) -> None:
-    print(f"\n{a.num_requests} requests x {a.max_tokens} output tokens, {a.dtype}, max_batch {a.max_batch}\n")
+    print(f"\n{a.num_requests} requests x {a.max_tokens} output tokens, {a.dtype}, max_batch {a.max_batch}, "
+          f"max_seq_len {a.max_seq_len}\n")
     print("| mode | prefix cache | workload | rate (req/s) | done | req/s | out tok/s | TTFT p50 / p99 (ms) "
           "| ITL p50 / p99 (ms) | TPOT p50 (ms) | tau | prefix hit rate |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -297,6 +379,37 @@ def print_table(results, a) -> None:
         print(f"| {r['mode']} | {r['prefix_cache']} | {r['workload']} | {r['rate']:g} | {r['completed']} | "
               f"{r['req_per_s']:.2f} | {r['out_tok_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
               f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['tpot_p50_ms']:.1f} | {tau} | {hit} |")
+
+
+def print_goals(results, long_results, a) -> None:
+    sat = [r for r in results if "generate_tok_per_s" in r]
+    if sat:
+        print("\nSaturation (rate inf) vs LLM.generate on the same requests (goal: server / generate >= 0.90)\n")
+        print("| mode | prefix cache | workload | server out tok/s | LLM.generate tok/s | server / generate |")
+        print("|---|---|---|---|---|---|")
+        for r in sat:
+            g = "" if r["generate_tok_per_s"] is None else f"{r['generate_tok_per_s']:.1f}" + (
+                f" (call {r['generate_timed_call']})" if r["generate_timed_call"] != 2 else "")
+            ratio = (f"{r['server_over_generate']:.2f}" if r["server_over_generate"] is not None
+                     else r["generate_error"] or "")
+            print(f"| {r['mode']} | {r['prefix_cache']} | {r['workload']} | {r['out_tok_per_s']:.1f} | {g} | {ratio} |")
+    if long_results:
+        print(f"\nLong prompt arriving during {a.long_concurrency} streams (goal: ITL p99 during <= 2x steady)\n")
+        print("| mode | prefix cache | prompt tokens | prefill budget / chunk | ITL p50 / p99 steady (ms) "
+              "| ITL p50 / p99 during (ms) | p99 during / steady | long TTFT (ms) | gaps steady / during "
+              "| margin (ms) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in long_results:
+            if "itl_during_p99_ms" not in r:
+                print(f"| {r['mode']} | {r['prefix_cache']} | failed: {'; '.join(r['errors'])} |||||||")
+                continue
+            ratio = "" if r["p99_ratio"] is None else f"{r['p99_ratio']:.2f}"
+            note = f" ({r['bg_ended_early']} streams ended early)" if r["bg_ended_early"] else ""
+            print(f"| {r['mode']} | {r['prefix_cache']} | {r['long_prompt_tokens']} | {r['prefill_budget']} / "
+                  f"{r['prefill_chunk']} | "
+                  f"{r['itl_steady_p50_ms']:.1f} / {r['itl_steady_p99_ms']:.1f} | {r['itl_during_p50_ms']:.1f} / "
+                  f"{r['itl_during_p99_ms']:.1f} | {ratio}{note} | {r['long_ttft_ms']:.0f} | {r['steady_gaps']} / "
+                  f"{r['during_gaps']} | {r['margin_ms']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,25 @@
+"""Pure helpers of scripts/bench_serve.py (scripts/serve_workloads.py): percentiles and ITL windows."""
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from serve_workloads import pct, window_gaps  # noqa: E402
+
+
+def test_pct_nearest_rank():
+    xs = list(range(1, 101))  # 1 .. 100
+    assert pct(xs, 50) == 50 and pct(xs, 99) == 99 and pct(xs, 100) == 100 and pct(xs, 0) == 1
+    assert pct([3.0, 1.0, 2.0], 50) == 2.0  # unsorted input
+    assert pct([7.0], 99) == 7.0
+    assert math.isnan(pct([], 50))
+
+
+def test_window_gaps_by_the_later_chunk():
+    streams = [[0.0, 0.1, 0.2, 0.5, 0.6], [0.05, 0.45, 0.55]]
+    # gaps ending in [0.2, 0.5): stream 0: 0.1 -> 0.2; stream 1: 0.05 -> 0.45 (started before the window)
+    assert [round(g) for g in window_gaps(streams, 0.2, 0.5)] == [100, 400]
+    # the end is exclusive, the start inclusive: 0.2 -> 0.5 ends at 0.5
+    assert [round(g) for g in window_gaps(streams, 0.5, 0.6)] == [300, 100]
+    assert window_gaps(streams, 1.0, 2.0) == [] and window_gaps([[], [0.3]], 0.0, 1.0) == []
