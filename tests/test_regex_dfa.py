@@ -1,11 +1,15 @@
-"""Regexes compiled to byte DFAs (specjax.regex_dfa).
+"""Regexes compiled to byte DFAs (specjax.regex_dfa) and lifted to token tables (specjax.token_dfa).
 
 * languages: for patterns covering every supported construct, the DFA walked over the UTF-8 bytes
   of a string accepts it exactly when ``re.fullmatch(p, s, re.ASCII)`` matches; strings are random
   (the pattern's characters, multi-byte ones), taken from random walks of the DFA (each must be
   valid UTF-8) and mutated by one character. Every DFA is minimal (an independent Moore refinement
   merges no states), every state is reachable and can reach an accepting state;
-* errors: unsupported constructs name themselves, invalid patterns, too many states, no string.
+* errors: unsupported constructs name themselves, invalid patterns, too many states, no string;
+* token DFA: on a hand vocabulary (partial UTF-8 tokens, special tokens, padding, EOS ids) the
+  tables equal a brute-force byte walk, in one chunk of states or many; a 49152-token random vocab;
+* xgrammar: along a seeded walk of tokens the token DFA's masks equal xgrammar's, on a character
+  vocabulary (with partial UTF-8 tokens) and on SmolLM2's 49152 tokens (default_model_or_skip).
 """
 from __future__ import annotations
 
@@ -15,7 +19,10 @@ import time
 import numpy as np
 import pytest
 
+from specjax import token_dfa
+from specjax.grammar import pack_bool_mask, unpack_bitmask
 from specjax.regex_dfa import RegexError, RegexUnsupported, choice_regex, compile_regex
+from specjax.token_dfa import build_token_dfa, vocab_token_bytes
 
 MULTI = "é中😀"
 
@@ -172,3 +179,145 @@ def test_errors():
         compile_regex(r"[^\x00-\U0010ffff]")
     assert compile_regex(r"\ud800|b").num_states == 2  # a lone surrogate has no UTF-8 form: that branch drops
     assert issubclass(RegexUnsupported, ValueError) and issubclass(RegexError, ValueError)
+
+
+# ----------------------------------------------------------------------------- token DFA
+
+HAND = [b"a", b"b", b"ab", b"ba", b"abc", b"c", b"\xe4", b"\xb8\xad", "中".encode(), "é".encode(), b"\xc3",
+        b"\xa9", b"", None, b"<eos>", b"1", b"12", b"x", "😀".encode(), b"\xf0\x9f", b"\x98\x80", b"a\xe4", b"z"]
+HAND_V = len(HAND) + 3  # 3 padding ids
+HAND_EOS = [HAND.index(b"<eos>"), HAND_V - 1]
+
+
+def brute_next(dfa, vocab, eos, V):
+    """[S, V] int32: the next state of every (state, token) by walking bytes one at a time."""
+    S = dfa.num_states
+    out = np.full((S, V), -1, np.int32)
+    for s in range(S):
+        for t in range(V):
+            if t in eos:
+                out[s, t] = s if dfa.accept[s] else -1
+            elif t < len(vocab) and vocab[t]:
+                out[s, t] = dfa.walk(vocab[t], s)
+    return out
+
+
+@pytest.mark.parametrize("path", ["one chunk", "chunks", "collisions"])
+@pytest.mark.parametrize("pattern", ["(ab|c)*中?é*", "[^a]*", "a+b?", r"\d{1,2}x", "(a|😀)+z", "(<eos>)+z?"])
+def test_token_dfa_equals_brute_force(pattern, path, monkeypatch):
+    if path == "chunks":  # two states per chunk: the chunked walk and the merge of per-chunk classes
+        monkeypatch.setattr(token_dfa, "_CHUNK", 2 * HAND_V)
+    if path == "collisions":  # every column hashes alike: the exact fallback decides
+        monkeypatch.setattr(token_dfa, "_column_hash", lambda cols: np.zeros(cols.shape[1], np.uint64))
+    dfa = compile_regex(pattern)
+    td = build_token_dfa(dfa, HAND, HAND_EOS, HAND_V)
+    ref = brute_next(dfa, HAND, HAND_EOS, HAND_V)
+    assert td.token_class.shape == (HAND_V,) and td.token_class.dtype == np.int32 and td.next.dtype == np.int32
+    assert td.num_states == dfa.num_states and (td.accept == dfa.accept).all()
+    assert (td.next[:, td.token_class] == ref).all()
+    assert td.num_classes == len({tuple(c) for c in ref.T})  # identical columns share a class, only those
+    assert td.token_class[0] == 0 and (np.diff(np.unique(td.token_class, return_index=True)[1]) > 0).all()
+    masks = td.bitmasks()
+    for s in range(td.num_states):
+        allowed = ref[s] >= 0
+        assert (td.allowed(s) == allowed).all()
+        assert (td.bitmask(s) == pack_bool_mask(allowed)).all() and (masks[s] == td.bitmask(s)).all()
+        assert (td.allowed(s)[HAND_EOS] == td.accept[s]).all()
+        assert not td.allowed(s)[[HAND.index(b""), HAND.index(None), HAND_V - 2, HAND_V - 3]].any()
+        for t in range(HAND_V):
+            if allowed[t]:
+                assert td.step(s, t) == ref[s, t]
+            else:
+                with pytest.raises(ValueError):
+                    td.step(s, t)
+
+
+def test_token_dfa_large_vocab():
+    """A 49152-token random vocabulary (ASCII, whole and partial UTF-8 characters) and a DFA of about
+    100 states: the tables agree with a byte walk on a sample of tokens, in all states."""
+    rng = np.random.default_rng(0)
+    pieces = [bytes([b]) for b in range(32, 127)] + [c.encode() for c in "é中😀ü"] + [b"\xe4", b"\xb8", b"\xc3"]
+    vocab = [b"".join(rng.choice(pieces, size=int(k))) for k in rng.integers(1, 9, 49152 - 2)] + [None, b""]
+    dfa = compile_regex(r"[a-z ]{0,35}-[^\d-]{0,5}\d{1,20}")
+    assert 80 <= dfa.num_states <= 120
+    t = time.perf_counter()
+    td = build_token_dfa(dfa, vocab, [49152 - 1], 49152)
+    took = time.perf_counter() - t
+    print(f"build_token_dfa: {dfa.num_states} states, {td.num_classes} classes, {took:.2f} s")
+    assert took < 10  # about 0.3 s where measured; the loose bound only guards against a blow-up
+    sample = rng.choice(49152, 300, replace=False)
+    ref = brute_next(dfa, [vocab[t] if t in set(sample.tolist()) else None for t in range(49152)], [49151], 49152)
+    assert (td.next[:, td.token_class[sample]] == ref[:, sample]).all()
+
+
+# ----------------------------------------------------------------------------- xgrammar
+
+xgrammar = pytest.importorskip("xgrammar")
+
+CHAR_VOCAB = (list("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ,.-_\"\\\n\t")
+              + ["ab", " the", "yes", "no", "é", "中", "文", "😀", "!", b"\xe4", b"\xb8\xad", b"\xf0\x9f", b"\x98\x80", "\xa0", "", "</s>"])
+XGR_REGEXES = [r"[a-z ]+", r"\d{1,3}(,\d{3})*", r"(yes|no|maybe)", r"[A-Z][a-z]*( [A-Z][a-z]*)*\.",
+               r"[^\"\\]{0,12}", r".{2,9}x?", r"(\s|\w)+\S", choice_regex(["red", "green", "中文", "😀!"])]
+
+
+def compare_walk(info, pattern, steps=20, seed=0):
+    """Walk up to `steps` tokens (seeded choice among the allowed non-stop tokens; a stop token when
+    only stop tokens are left; the walk ends at a stop token or where no token is left) and compare the masks of the token DFA and of xgrammar at every step.
+
+    EOS convention: xgrammar allows its stop tokens exactly where the grammar may end, as the token
+    DFA allows its EOS ids at accepting states. After a stop token xgrammar terminates (it accepts
+    nothing more), whereas the token DFA stays in the accepting state: the walk ends there."""
+    V = info.vocab_size
+    td = build_token_dfa(compile_regex(pattern, xgrammar=True), vocab_token_bytes(info), info.stop_token_ids, V)
+    m = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info, max_threads=1).compile_regex(pattern))
+    stops = set(info.stop_token_ids)
+    rng = np.random.default_rng(seed)
+    bitmask = xgrammar.allocate_token_bitmask(1, V).numpy()
+    state = 0
+    for step in range(steps):
+        m.fill_next_token_bitmask(bitmask)
+        want = unpack_bitmask(bitmask[0], V)
+        got = td.allowed(state)
+        diff = np.flatnonzero(want != got)
+        assert diff.size == 0, (pattern, step, [(int(t), bytes(info.decoded_vocab[t]), bool(want[t])) for t in diff[:8]])
+        text = [t for t in np.flatnonzero(got) if t not in stops]
+        if not got.any():  # a dead end for this vocabulary (the text needs a character no token spells)
+            return step
+        t = int(rng.choice(text)) if text else int(np.flatnonzero(got)[0])
+        assert m.accept_token(t)
+        state = td.step(state, t)
+        if t in stops:
+            assert m.is_terminated() and td.accept[state]
+            return step + 1
+    return steps
+
+
+def char_info():
+    return xgrammar.TokenizerInfo(CHAR_VOCAB, vocab_size=len(CHAR_VOCAB) + 5, stop_token_ids=[len(CHAR_VOCAB) - 1])
+
+
+def test_vocab_token_bytes():
+    got = vocab_token_bytes(char_info())
+    assert len(got) == len(CHAR_VOCAB) + 5 and got[-7:] == [None] * 7  # "", the stop token "</s>", padding
+    assert got[:-7] == [c if isinstance(c, bytes) else c.encode() for c in CHAR_VOCAB[:-2]]
+
+
+@pytest.mark.parametrize("pattern", XGR_REGEXES)
+def test_matches_xgrammar_char_vocab(pattern):
+    info = char_info()
+    for seed in range(3):
+        compare_walk(info, pattern, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def smollm2_info():
+    from helpers import default_model_or_skip
+
+    from specjax.checkpoint import load_tokenizer
+    tok = load_tokenizer(default_model_or_skip())  # CI=true: fails instead of skipping
+    return xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=49152)
+
+
+@pytest.mark.parametrize("pattern", XGR_REGEXES[:6])
+def test_matches_xgrammar_smollm2(smollm2_info, pattern):
+    compare_walk(smollm2_info, pattern)
