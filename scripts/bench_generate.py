@@ -1,7 +1,10 @@
 """End-to-end `LLM.generate` throughput, plain vs speculative, by batch size (what a user's script gets).
 
-For each batch B: B prompts (MT-bench-like chat messages built in this script), `max_tokens` new
-tokens each with EOS ignored (equal work), `max_batch` = B. Call 1 compiles; calls 2 and 3 are timed
+For each batch B: B x --requests-per-slot prompts (MT-bench-like chat messages built in this script),
+`max_tokens` new tokens each with EOS ignored (equal work), `max_batch` = B. With one request per slot
+(the default) the batch is closed: every row waits for the slowest one (with speculation, the row of
+lowest acceptance); more requests than slots measure a continuous batch, whose slots are refilled
+as requests finish (the workload of a server or an offline eval). Call 1 compiles; calls 2 and 3 are timed
 and the number of XLA compilations during each is counted (a second identical call must compile
 nothing). Reports tokens/s of the timed calls, mean accepted tokens per speculative step (tau), and
 spec / plain, and the speculative engine's decode dispatches of the last timed call by kind (fused
@@ -10,6 +13,7 @@ speculative "spec" / "lite": plain steps that keep the draft in sync, for batche
 
     python3 scripts/bench_generate.py --batch 1,8,32,64 --max-tokens 128
     python3 scripts/bench_generate.py --batch 1,8,32,64 --max-tokens 128 --no-plain --speculate-below 8
+    python3 scripts/bench_generate.py --batch 8,32,64 --max-tokens 128 --requests-per-slot 4
     python3 scripts/bench_generate.py --batch 512 --max-tokens 256 --temperature 0.7 --no-spec --profile 25
     python3 scripts/bench_generate.py --model DIR --draft self --dtype float32 --batch 2 --max-tokens 16  # CPU smoke
 
@@ -84,9 +88,9 @@ def timed(llm, ids, params, profile: int = 0):
 
 
 def run(llm, B, a, spec: bool):
-    ids = prompts(llm, B)
+    ids = prompts(llm, B * a.requests_per_slot)
     params = [SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, ignore_eos=True, seed=i)
-              for i in range(B)]
+              for i in range(len(ids))]
     c0 = _compiles[0]
     t = time.perf_counter()
     llm.generate(ids, params)
@@ -97,7 +101,7 @@ def run(llm, B, a, spec: bool):
     if spec:
         means = [o.accept_len_mean for o in outs if o.accept_len_mean is not None]
         tau = float(np.mean(means)) if means else None
-    return dict(batch=B, kind="spec" if spec else "plain", first_s=round(first["seconds"], 2),
+    return dict(batch=B, requests=len(ids), kind="spec" if spec else "plain", first_s=round(first["seconds"], 2),
                 first_compiles=first["compiles"], second_compiles=second["compiles"],
                 third_compiles=third["compiles"], tok_s=round(max(second["tok_s"], third["tok_s"]), 1),
                 tok_s_second=round(second["tok_s"], 1), tok_s_third=round(third["tok_s"], 1), tau=tau,
@@ -123,8 +127,12 @@ def main(argv=None) -> int:
                    help="lite steps (plain, the draft kept in sync) for batches of >= N rows; 'none': always "
                    "speculate; auto: the draft's measured spec_defaults")
     p.add_argument("--profile", type=int, default=0, help="print the N functions with the most host time")
+    p.add_argument("--requests-per-slot", type=int, default=1,
+                   help="requests per engine slot (1: a closed batch; more: slots refilled as requests finish)")
     p.add_argument("--json", default=None, help="append rows as JSON lines")
     a = p.parse_args(argv)
+    if a.requests_per_slot < 1:
+        p.error(f"--requests-per-slot must be >= 1, got {a.requests_per_slot}")
     from specjax.assets import DEFAULT_HEAD_DIR
     draft = a.draft or (str(DEFAULT_HEAD_DIR) if a.model is None else "self")
     batches = [int(b) for b in a.batch.split(",")]
