@@ -10,6 +10,7 @@ speculative "spec" / "lite": plain steps that keep the draft in sync, for batche
 
     python3 scripts/bench_generate.py --batch 1,8,32,64 --max-tokens 128
     python3 scripts/bench_generate.py --batch 1,8,32,64 --max-tokens 128 --no-plain --speculate-below 8
+    python3 scripts/bench_generate.py --batch 1 --prompts 16 --max-tokens 128 --attention cudnn  # tau over 16 texts
     python3 scripts/bench_generate.py --batch 512 --max-tokens 256 --temperature 0.7 --no-spec --profile 25
     python3 scripts/bench_generate.py --model DIR --draft self --dtype float32 --batch 2 --max-tokens 16  # CPU smoke
 
@@ -84,9 +85,10 @@ def timed(llm, ids, params, profile: int = 0):
 
 
 def run(llm, B, a, spec: bool):
-    ids = prompts(llm, B)
+    n = a.prompts or B
+    ids = prompts(llm, n)
     params = [SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, ignore_eos=True, seed=i)
-              for i in range(B)]
+              for i in range(n)]
     c0 = _compiles[0]
     t = time.perf_counter()
     llm.generate(ids, params)
@@ -97,7 +99,7 @@ def run(llm, B, a, spec: bool):
     if spec:
         means = [o.accept_len_mean for o in outs if o.accept_len_mean is not None]
         tau = float(np.mean(means)) if means else None
-    return dict(batch=B, kind="spec" if spec else "plain", first_s=round(first["seconds"], 2),
+    return dict(batch=B, prompts=n, kind="spec" if spec else "plain", first_s=round(first["seconds"], 2),
                 first_compiles=first["compiles"], second_compiles=second["compiles"],
                 third_compiles=third["compiles"], tok_s=round(max(second["tok_s"], third["tok_s"]), 1),
                 tok_s_second=round(second["tok_s"], 1), tok_s_third=round(third["tok_s"], 1), tau=tau,
@@ -114,6 +116,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--prompts", type=int, default=None,
+                   help="prompts per call (default: the batch size); more than the batch: slots are refilled. "
+                   "tau at batch 1 is one prompt's: greedy texts part on near-ties of the logits when the "
+                   "attention's rounding changes, and one text's tau moves by 1 or more (docs/benchmarks.md)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--no-spec", action="store_true")
     p.add_argument("--no-plain", action="store_true")
