@@ -14,6 +14,7 @@ speculative "spec" / "lite": plain steps that keep the draft in sync, for batche
     python3 scripts/bench_generate.py --batch 1,8,32,64 --max-tokens 128
     python3 scripts/bench_generate.py --batch 1,8,32,64 --max-tokens 128 --no-plain --speculate-below 8
     python3 scripts/bench_generate.py --batch 8,32,64 --max-tokens 128 --requests-per-slot 4
+    python3 scripts/bench_generate.py --batch 1 --prompts 16 --max-tokens 128 --attention cudnn  # tau over 16 texts
     python3 scripts/bench_generate.py --batch 512 --max-tokens 256 --temperature 0.7 --no-spec --profile 25
     python3 scripts/bench_generate.py --model DIR --draft self --dtype float32 --batch 2 --max-tokens 16  # CPU smoke
 
@@ -88,9 +89,10 @@ def timed(llm, ids, params, profile: int = 0):
 
 
 def run(llm, B, a, spec: bool):
-    ids = prompts(llm, B * a.requests_per_slot)
+    n = a.prompts or B * a.requests_per_slot
+    ids = prompts(llm, n)
     params = [SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, ignore_eos=True, seed=i)
-              for i in range(len(ids))]
+              for i in range(n)]
     c0 = _compiles[0]
     t = time.perf_counter()
     llm.generate(ids, params)
@@ -118,6 +120,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--prompts", type=int, default=None,
+                   help="prompts per call (default: the batch size x --requests-per-slot); more than the batch: slots are refilled. "
+                   "tau at batch 1 is one prompt's: greedy texts part on near-ties of the logits when the "
+                   "attention's rounding changes, and one text's tau moves by 1 or more (docs/benchmarks.md)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--no-spec", action="store_true")
     p.add_argument("--no-plain", action="store_true")

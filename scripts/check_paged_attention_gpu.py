@@ -16,6 +16,8 @@ faults cannot take the later configs with it); --inline runs them in this proces
 
     python3 scripts/check_paged_attention_gpu.py                 # all configs
     python3 scripts/check_paged_attention_gpu.py --only decode   # configs whose name contains it
+    python3 scripts/check_paged_attention_gpu.py --smollm2       # SmolLM2-135M's geometry (9 query heads,
+        # 3 KV heads, head_dim 64) in the shapes its engine runs at batch 1 (2 rows, one empty)
     python3 scripts/check_paged_attention_gpu.py --small --inline --interpret --only decode
         # CPU smoke run (interpreters; the Mosaic GPU one takes ~30 s per call)
 The process exits non-zero when any implementation mismatches or fails.
@@ -39,6 +41,19 @@ WARMUP, REPS = 3, 20
 T_OF = {"decode": 1, "verify": 17, "grow": 4, "prefill": 256}
 
 
+def smollm2_configs():
+    """SmolLM2-135M (H 9, Hkv 3: G = 3; D 64) as the speculative engine at max_batch 1 runs it: 2 rows
+    (the second a padding row without keys), page size 16, 66 pages per slot; tree verify (17 nodes: 51
+    query rows in one 64-row block), draft growth (4 nodes), draft extend (6), a 64-token prompt
+    piece (192 rows: two 128-row blocks) and plain decoding; contexts of 40 to 1000 keys."""
+    out = []
+    for mode, T in (("verify", 17), ("grow", 4), ("extend", 6), ("prefill", 64), ("decode", 1)):
+        for context in (40, 170, 1000 - T - 16):
+            out.append(dict(name=f"smollm2-{mode}-ctx{context}", mode=mode, T=T, ps=16, dtype="bfloat16", batch=2,
+                            context=context, cap=1056, heads=[9, 3], D=64, clamped_pad=True))
+    return out
+
+
 def configs(small: bool):
     out = []
     shapes = [(4, 64, 128)] if small else [(1, 512, 1024), (32, 512, 8192), (32, 4096, 8192)]
@@ -54,14 +69,15 @@ def configs(small: bool):
     return out
 
 
-def make(cfg, heads=(32, 8), D=128):
+def make(cfg):
     import jax.numpy as jnp
     import numpy as np
 
     from tests.paged_cases import Case, ancestors
     rng = np.random.default_rng(0)
-    H, Hkv = heads
-    B, ps, T = cfg["batch"], cfg["ps"], T_OF[cfg["mode"]]
+    H, Hkv = cfg.get("heads", (32, 8))
+    D = cfg.get("D", 128)
+    B, ps, T = cfg["batch"], cfg["ps"], cfg.get("T", T_OF.get(cfg["mode"]))
     dtype = jnp.dtype(cfg["dtype"])
     P = cfg["cap"] // ps
     W = {"verify": T, "grow": 12 + T}.get(cfg["mode"], 0)
@@ -81,6 +97,8 @@ def make(cfg, heads=(32, 8), D=128):
         mask_start, q_start = ctx.copy(), ctx + 12
         block_mask = rng.random((B, T, W)) < 0.3
         block_mask[:, :, 12:] = np.eye(T, dtype=bool)[None]
+    if cfg.get("clamped_pad") and B > 1:  # the engine's padding row (slot >= max_slots): row 0's pages, no keys
+        table[-1], q_start[-1] = table[0], q_start[0]
     kv_len = np.where(num_new > 0, q_start + num_new, 0)
     q = jnp.asarray(rng.normal(size=(B, T, H, D)).astype(np.float32), dtype)
     return Case(q=q, kv_pages=kv, page_table=jnp.asarray(table), q_start=jnp.asarray(q_start, jnp.int32),
@@ -135,13 +153,14 @@ def main():
     p.add_argument("--small", action="store_true")
     p.add_argument("--inline", action="store_true")
     p.add_argument("--interpret", action="store_true", help="kernels in their interpreters (CPU smoke run)")
+    p.add_argument("--smollm2", action="store_true", help="SmolLM2-135M's geometry (smollm2_configs) instead")
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)  # one config, JSON (subprocess)
     a = p.parse_args()
     if a.config:
         print("RESULT " + json.dumps(run_config(json.loads(a.config), a.interpret)), flush=True)
         return
     failed = False
-    for cfg in configs(a.small):
+    for cfg in smollm2_configs() if a.smollm2 else configs(a.small):
         if a.only and a.only not in cfg["name"]:
             continue
         if a.inline:

@@ -64,6 +64,32 @@ def test_mosaic_interpreted_matches_reference(mode, page_size, num_splits, T, H,
     assert_valid_close(got, want, case.num_new, atol=3e-2)
 
 
+SMOLLM2_CASES = [  # (mode, T, seed): SmolLM2-135M's geometry (9 query heads, 3 KV heads: G = 3; head_dim 64),
+    # page size 16, 2 rows as the speculative engine runs batch 1 (row 1: a padding row with row 0's pages
+    # and no keys), num_splits auto (32 splits at 2 rows: most CTAs find no key block)
+    ("verify", 17, 5),  # 51 query rows per KV head: one 64-row block, 56 rows written back
+    ("prefill", 64, 6),  # a prompt piece at an offset: 192 rows, two 128-row blocks
+]
+
+
+@needs_gpu_interpreter
+@pytest.mark.parametrize("mode,T,seed", SMOLLM2_CASES)
+def test_mosaic_interpreted_smollm2_geometry(mode, T, seed):
+    import dataclasses
+
+    from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
+    case = make_case(np.random.default_rng(seed), mode, page_size=16, B=2, T=T, H=9, Hkv=3, D=64,
+                     dtype=jnp.bfloat16, P=66)
+    table = np.asarray(case.page_table).copy()
+    q_start = np.asarray(case.q_start).copy()
+    table[1], q_start[1] = table[0], q_start[0]  # the padding row reads row 0's slot, with kv_len 0
+    case = dataclasses.replace(case, page_table=jnp.asarray(table), q_start=jnp.asarray(q_start))
+    assert int(case.kv_len[1]) == 0 and case.num_new[1] == 0
+    want = _ref(case)
+    got = _run(paged_attention_mosaic, case)
+    assert_valid_close(got, want, case.num_new, atol=3e-2)
+
+
 TPU_CASES = [  # (mode, page_size, dtype, window, seed); head_dim 128 (full lanes)
     ("prefill", 16, jnp.bfloat16, 6, 3),  # with a sliding window
     ("grow", 8, jnp.float32, None, 4),
