@@ -57,13 +57,14 @@ def _on_event(name, *args, **kw):
 jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
-def prompts(llm, B: int) -> list[list[int]]:
-    out = []
-    for i in range(B):
-        text = FORMS[i % len(FORMS)].format(SUBJECTS[(i // len(FORMS) + i) % len(SUBJECTS)])
-        out.append(llm.tokenizer.encode(llm.apply_chat_template([{"role": "user", "content": text}]),
-                                        add_special_tokens=False))
-    return out
+def prompt_texts(n: int) -> list[str]:
+    """The benchmark's n user messages (also what scripts/mosaic_numerics.py runs)."""
+    return [FORMS[i % len(FORMS)].format(SUBJECTS[(i // len(FORMS) + i) % len(SUBJECTS)]) for i in range(n)]
+
+
+def prompts(llm, n: int) -> list[list[int]]:
+    return [llm.tokenizer.encode(llm.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+            for text in prompt_texts(n)]
 
 
 KINDS = ("spec", "lite", "decode")

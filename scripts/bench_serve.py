@@ -46,7 +46,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import re
 import socket

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from pallas_kernels.paged_attention import (NEG, block_partial, combine, gather_kv, geometry,  # noqa: E402
                                             group_queries, paged_attention_reference, row_bounds, ungroup, visible)
-from pallas_kernels.paged_attention_mosaic import auto_splits  # noqa: E402
+from bench_generate import prompt_texts  # noqa: E402  (same folder: bench_generate's prompts)
 
 
 def mosaic_emul(q, kv_pages, page_table, q_start, kv_len, block_mask=None, *, sliding_window=None, scale=None,
@@ -92,18 +92,6 @@ def check():
                               reference_equal_frac=float((r == k).mean()))))
 
 
-SUBJECTS = ["a city at night", "the history of bread", "how vaccines work", "a letter to a friend",
-            "sorting algorithms", "the water cycle", "a job interview", "renewable energy", "a short mystery",
-            "learning a language", "black holes", "a recipe for soup", "time management", "the stock market",
-            "a travel plan for Japan", "photosynthesis"]
-FORMS = ["Write a short essay about {}.", "Explain {} to a ten-year-old.", "Give five tips related to {}.",
-         "Write a poem about {}.", "Describe {} in detail, step by step."]
-
-
-def texts(B):  # bench_generate's prompts
-    return [FORMS[i % len(FORMS)].format(SUBJECTS[(i // len(FORMS) + i) % len(SUBJECTS)]) for i in range(B)]
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="the emulation vs the kernel in its interpreter")
@@ -120,7 +108,7 @@ def main(argv=None):
     for name in ("reference", "mosaic_emul"):
         llm = LLM(dtype="bfloat16", max_batch=a.batch, max_seq_len=1024, draft=str(DEFAULT_HEAD_DIR), attention=name)
         ids = [llm.tokenizer.encode(llm.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
-               for t in texts(a.batch)]
+               for t in prompt_texts(a.batch)]
         params = [SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True, seed=i)
                   for i in range(a.batch)]
         outs = llm.generate(ids, params)
