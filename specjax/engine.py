@@ -53,6 +53,7 @@ from specjax.host_timing import HostTimes
 from specjax.kernels import KV_COMPACT_CHOICES, Kernels, choose_kv_compact, compact_shapes
 from specjax.kv_cache import init_cache
 from specjax.request import Request
+from specjax import sampling
 from specjax.sampling import SamplingArrays
 from specjax.scheduler import MIN_PREFILL_LEN, Piece, Scheduler, SchedulerOptions, bucket, slot_pages
 
@@ -437,9 +438,12 @@ class Engine(GrammarSteps):
 
     @staticmethod
     def _flags(reqs) -> dict:
-        """Static program flags: logprobs wanted; any row samples (greedy-only programs skip the sort)."""
+        """Static program flags: logprobs wanted; how rows sample: False greedy only, UNFILTERED no
+        sampling row uses top-k / top-p (both programs skip the [B, V] sort), True otherwise."""
+        samplers = [r.params for r in reqs if r.params.temperature > 0]
+        filters = any(p.top_p < 1.0 or (p.top_k or 0) > 0 for p in samplers)
         return dict(want_logprobs=any(r.logprobs is not None for r in reqs),
-                    stochastic=any(r.params.temperature > 0 for r in reqs))
+                    stochastic=(True if filters else sampling.UNFILTERED) if samplers else False)
 
     def _push(self, kind, out, trees, rows, advance, steps) -> _Dispatched:
         """rows: (batch row, slot, request) of the rows whose outputs the host reads; advance: cache

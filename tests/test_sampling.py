@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.sampling import SamplingArrays, filtered_logits, sample, token_logprobs
+from specjax.sampling import UNFILTERED, SamplingArrays, filter_in_place, filtered_logits, sample, token_logprobs
 from specjax.sampling_params import MAX_LOGPROBS
 
 # Chi-square critical values for p = 0.001 by degrees of freedom (standard table, e.g.
@@ -152,8 +152,10 @@ def test_sample_is_deterministic_per_seed_and_position():
     assert len(set(a.tolist())) > 3  # different (seed, position) pairs do vary
 
 
-@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 6), (1.3, 0.8, 0), (2.0, 1.0, 3)])
-def test_sample_frequencies_chi_square(temperature, top_p, top_k):
+@pytest.mark.parametrize("temperature,top_p,top_k,mode", [(1.0, 1.0, 0, True), (0.7, 0.9, 6, True), (1.3, 0.8, 0, True),
+                                                        (2.0, 1.0, 3, True), (1.0, 1.0, 0, UNFILTERED),
+                                                        (0.6, 1.0, 0, UNFILTERED)])
+def test_sample_frequencies_chi_square(temperature, top_p, top_k, mode):
     V, N = 8, 20000
     logits = np.array([1.5, -0.5, 0.3, 2.0, -2.0, 0.9, 0.0, -1.0], np.float32)
     kept, _ = brute_kept(logits, temperature, top_p, top_k)
@@ -163,7 +165,7 @@ def test_sample_frequencies_chi_square(temperature, top_p, top_k):
     seeds = np.repeat(np.arange(200), N // 200)
     positions = np.tile(np.arange(N // 200), 200)
     samp = _arrays(np.full(N, temperature), np.full(N, top_p), np.full(N, top_k), seeds)
-    got = np.asarray(sample(jnp.asarray(np.tile(logits, (N, 1))), samp, jnp.asarray(positions, jnp.int32)))
+    got = np.asarray(sample(jnp.asarray(np.tile(logits, (N, 1))), samp, jnp.asarray(positions, jnp.int32), mode))
     counts = np.bincount(got, minlength=V)
     outside = [t for t in range(V) if t not in kept]
     assert counts[outside].sum() == 0, f"sampled filtered-out tokens: {dict(zip(outside, counts[outside]))}"
@@ -190,3 +192,35 @@ def test_token_logprobs():
         want = np.argsort(-lp[b])[:MAX_LOGPROBS]
         np.testing.assert_array_equal(np.asarray(top_ids)[b], want)
         np.testing.assert_allclose(np.asarray(top_vals)[b], lp[b, want], atol=1e-5)
+
+
+def test_filter_in_place_keeps_what_the_sorted_filter_keeps():
+    rng = np.random.default_rng(4)
+    B, V = 24, 40
+    logits = rng.normal(0, 2.0, (B, V)).astype(np.float32)
+    top_p = rng.choice([1.0, 0.95, 0.7, 0.3], B).astype(np.float32)
+    top_k = rng.choice([0, 1, 5, 17], B).astype(np.int32)
+    got = np.asarray(filter_in_place(jnp.asarray(logits), jnp.asarray(top_p), jnp.asarray(top_k)))
+    for b in range(B):
+        kept, _ = brute_kept(logits[b], 1.0, float(top_p[b]), int(top_k[b]))
+        assert set(np.flatnonzero(np.isfinite(got[b])).tolist()) == set(kept), b
+        np.testing.assert_array_equal(got[b][list(kept)], logits[b][list(kept)])
+
+
+def test_unfiltered_rows_draw_the_same_token_in_either_program():
+    """A row without top-k / top-p samples the same token whether its batch needed the sort (True) or
+    not (UNFILTERED), so a request's tokens do not depend on its batch neighbours' filters."""
+    rng = np.random.default_rng(5)
+    B, V = 64, 300
+    logits = jnp.asarray(rng.normal(0, 2.0, (B, V)).astype(np.float32))
+    temp = rng.choice([0.0, 0.5, 1.0, 1.7], B)
+    pos = jnp.asarray(rng.integers(0, 1000, B), jnp.int32)
+    plain = _arrays(temp, np.ones(B), np.zeros(B), np.arange(B))
+    fast = np.asarray(sample(logits, plain, pos, UNFILTERED))
+    general = np.asarray(sample(logits, plain, pos, True))
+    np.testing.assert_array_equal(fast, general)
+    mixed = _arrays(temp, np.where(np.arange(B) % 2, 0.5, 1.0), np.where(np.arange(B) % 3 == 0, 4, 0), np.arange(B))
+    in_mixed = np.asarray(sample(logits, mixed, pos, True))
+    free = (np.arange(B) % 2 == 0) & (np.arange(B) % 3 != 0)  # rows of `mixed` without top-p / top-k
+    np.testing.assert_array_equal(in_mixed[free], fast[free])
+    assert (in_mixed[~free & (temp > 0)] != fast[~free & (temp > 0)]).any()  # the filters do act
