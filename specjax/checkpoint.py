@@ -129,6 +129,20 @@ def head_spec_defaults(draft_dir: str | Path, batch: int) -> tuple[dict, int] | 
     return trees[b], b
 
 
+def head_min_accept(draft_dir: str | Path, batch: int) -> float | None:
+    """The break-even acceptance a draft directory's measurements give for `batch` rows: "min_accept"
+    of the spec_defaults tree entry head_spec_defaults picks (tokens per fused step below which its
+    fused step is slower than a plain one: specjax.adaptive), or None when that entry has none."""
+    found = head_spec_defaults(draft_dir, batch)
+    if found is None:
+        return None
+    value = read_meta(draft_dir)["spec_defaults"][str(found[1])].get("min_accept")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1):
+        raise CheckpointError(f"{Path(draft_dir) / MARKER}: spec_defaults[{found[1]}].min_accept must be a number "
+                              f">= 1, got {value!r}")
+    return value
+
+
 def head_speculate_below(draft_dir: str | Path) -> int | None:
     """The batch size from which a draft directory's measurements say plain decoding wins: the
     smallest batch of its spec_defaults from which every entry is "plain" (the engine's

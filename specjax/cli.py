@@ -47,6 +47,20 @@ def speculate_below_arg(text: str) -> int | None | str:
     return None if word == "none" else "auto" if word == "auto" else positive_int(text)
 
 
+def min_accept_arg(text: str) -> float | None | str:
+    """argparse type of --min-accept: a number >= 1, "none" (no gate) or "auto"."""
+    word = text.strip().lower()
+    if word in ("none", "auto"):
+        return None if word == "none" else "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1, 'none' or 'auto', got {text!r}") from None
+    if not v >= 1:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1 (tokens per fused step), got {v}")
+    return v
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (argparse names the flag in its error)."""
     try:
@@ -177,6 +191,11 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                    help="speculative decoding: batches of N or more requests run plain steps that keep the draft "
                    "in sync (lossless switching; for batches where verifying trees costs more than it gains); "
                    "'none': always speculate (default: the draft's measured spec_defaults, else none)")
+    g.add_argument("--min-accept", type=min_accept_arg, default="auto", metavar="TAU",
+                   help="speculative decoding: plain steps that keep the draft in sync while the measured tokens "
+                   "per speculative step stay below TAU, with a speculative probe now and then (lossless); "
+                   "'none': off (default: the n-gram drafter's measured break-even, 1.35, or the draft's "
+                   "spec_defaults)")
     g.add_argument("--kv-compact-impl", choices=KV_COMPACT_CHOICES, default="auto",
                    help="KV compaction kernel of draft trees; auto: chosen once at start (a GPU kernel that "
                         "compiles, else the jnp reference); others are forced (an error if one does not "
@@ -214,6 +233,8 @@ def check_model_arguments(a) -> None:
     a.spec = None
     if a.draft is None and a.speculate_below not in ("auto", None):
         raise UsageError("--speculate-below applies to speculative decoding: give --speculate or --draft")
+    if a.draft is None and getattr(a, "min_accept", "auto") not in ("auto", None):
+        raise UsageError("--min-accept applies to speculative decoding: give --speculate or --draft")
     if a.draft is not None:
         from specjax.llm import draft_method
         from specjax.tree import SpecConfig
@@ -237,7 +258,8 @@ def llm_from_args(a, **more):
     return LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft,
                spec=a.spec, tensor_parallel=a.tensor_parallel, kv_compact_impl=a.kv_compact_impl,
                attention=a.attention, prefix_cache=a.prefix_cache, max_prefill_tokens=a.max_prefill_tokens,
-               speculate_below=a.speculate_below if a.draft is not None else "auto", **more)
+               speculate_below=a.speculate_below if a.draft is not None else "auto",
+               min_accept=a.min_accept if a.draft is not None else "auto", **more)
 
 
 # ----------------------------------------------------------------------------- generate

@@ -21,6 +21,8 @@ at the cost of a plain step plus the draft's extend over that token, and its dra
 (specjax.step, "The lite step"), so fused steps resume losslessly when the batch shrinks. Grammar
 batches always run fused steps (their masks cover one tree). The threshold compares the rows of
 the step (not their padded bucket); the programs of both kinds compile on first use per batch bucket.
+Below that threshold the acceptance gate (specjax.adaptive, BatchOptions.min_accept) also picks lite
+steps while the rows' measured acceptance does not repay a fused step.
 """
 from __future__ import annotations
 
@@ -46,16 +48,18 @@ def _work_steps(rows, steps_per_call: int) -> int:
     return min(steps_per_call, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, steps_per_call))
 
 
-def plan(rows, grammar: bool, batch_opts, sched: Scheduler, draft=None, lookahead: int = 0) -> DispatchPlan:
+def plan(rows, grammar: bool, batch_opts, sched: Scheduler, draft=None, lookahead: int = 0,
+         gated: bool = False) -> DispatchPlan:
     """The next decode dispatch over rows [(slot, request)]; takes the pages of K > 1 steps from the
     scheduler (the caller pushes the page table when it changed). draft: the engine's Draft (None:
     plain decoding); lookahead: entries one fused step touches past a slot's length (step.lookahead,
-    the scheduler's `ahead` for a speculative engine)."""
+    the scheduler's `ahead` for a speculative engine); gated: the acceptance gate chose lite steps
+    (specjax.adaptive: the rows' drafts do not repay a fused step)."""
     slots = [s for s, _ in rows]
     if draft is None:
         K = 1 if grammar else _work_steps(rows, batch_opts.steps_per_call)
         return DispatchPlan("decode", K, K, K)
-    if not grammar and runs_lite(len(rows), batch_opts.speculate_below):
+    if not grammar and (gated or runs_lite(len(rows), batch_opts.speculate_below)):
         from specjax.step import lite_lookahead
         K = _work_steps(rows, batch_opts.steps_per_call)
         extra = lite_lookahead(draft.info, K) - lookahead  # one lite step touches <= 2 <= lookahead entries

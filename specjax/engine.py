@@ -45,6 +45,7 @@ from flax import nnx
 
 from specjax import attention as attn_lib
 from specjax import dispatch_plan
+from specjax.adaptive import AcceptanceGate, check_min_accept, check_probe_every
 from specjax import programs as prog
 from specjax.decode import PrefillRows
 from specjax.engine_grammar import GrammarSteps
@@ -82,8 +83,14 @@ class BatchOptions:
     #                                     this, lite steps (plain decoding, the draft kept in sync) from
     #                                     this many rows on (specjax.dispatch_plan); None: always fused
 
+    min_accept: float | None = None  # speculative engine: lite steps while the rows' measured tokens per
+    #                                  fused step are below this (specjax.adaptive); None: off
+    probe_every: int = 8  # gated by min_accept: one fused dispatch after this many lite ones
+
     def __post_init__(self):
         check_speculate_below(self.speculate_below)
+        check_min_accept(self.min_accept)
+        check_probe_every(self.probe_every)
 
 
 def check_speculate_below(value) -> None:
@@ -123,6 +130,7 @@ class _Dispatched:
     rows: list[tuple[int, int, Request, int]]  # (row, slot, request, its epoch at dispatch)
     advance: int  # positions per row counted in the scheduler's `inflight`
     sure: int = 0  # tokens per row counted in the scheduler's `sure` (each step gives >= 1 or finishes)
+    after_lite: bool = False  # a fused dispatch right after lite ones (its first step verifies a stale tree)
 
 
 def _indexed(rows):
@@ -221,6 +229,8 @@ class Engine(GrammarSteps):
         self.host = HostTimes()
         self._prefill_shapes: set[tuple[int, int]] = set()  # (rows, length) of the prefills dispatched
         self.dispatches = dict.fromkeys(("decode", "spec", "lite"), 0)  # decode dispatches by kind
+        self.gate = AcceptanceGate()  # lite or fused steps by measured acceptance (BatchOptions.min_accept)
+        self._last_kind = None  # the kind of the last decode dispatch
         self.dispatched_steps = dict.fromkeys(("decode", "spec", "lite"), 0)  # the steps they ran
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
@@ -331,6 +341,7 @@ class Engine(GrammarSteps):
             **self.host.stats(),  # host seconds by phase (specjax.host_timing)
             **{f"{k}_dispatches": v for k, v in self.dispatches.items()},
             **{f"{k}_dispatch_steps": v for k, v in self.dispatched_steps.items()},
+            **self.gate.stats(),  # lite dispatches chosen by the acceptance gate, its probes (specjax.adaptive)
         }
 
     def num_compiled(self) -> int:
@@ -544,7 +555,10 @@ class Engine(GrammarSteps):
         slots, active = self.sched.row_slots(rows)
         mask, drafts = self._step_grammar(rows, len(slots)) if grammar else (None, None)
         flags = self._flags([r for _, r in rows])
-        p = dispatch_plan.plan(rows, grammar, self.batch_opts, self.sched, self.draft, self.lookahead)
+        b = self.batch_opts
+        gated = (self.draft is not None and not grammar and not dispatch_plan.runs_lite(len(rows), b.speculate_below)
+                 and self.gate.lite([r for _, r in rows], b.min_accept, b.probe_every))
+        p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated)
         self._push_page_table()  # pages the plan took for K steps
         t0 = time.perf_counter()
         if self.draft is not None:  # K steps in one program: a row that finishes stops changing state
@@ -556,7 +570,10 @@ class Engine(GrammarSteps):
             out, trees, self.state = self.steps.decode_many(self.weights, self.state, self.samp, slots, active, mask,
                                                             num_steps=p.num_steps, **flags)
         self.host.add("dispatch", t0)
-        return self._push(p.kind, out, trees, _indexed(rows), p.advance, p.sure)
+        entry = self._push(p.kind, out, trees, _indexed(rows), p.advance, p.sure)
+        entry.after_lite = p.kind == "spec" and self._last_kind == "lite"
+        self._last_kind = p.kind
+        return entry
 
     def _stop_rows(self, rows, B: int) -> prog.StopRows:
         """The rows' stop ids (EOS unless ignored, stop_token_ids; [B, E], E bucketed) and the
@@ -614,6 +631,8 @@ class Engine(GrammarSteps):
             else:
                 t_b, lp_b, tl_b, ti_b = (None if x is None else [v for k, nk in enumerate(ns) for v in x[b][k][:nk]]
                                          for x in (toks, lp, top_lp, top_ids))
+            if e.kind == "spec":
+                self.gate.observe(req, counts[b], e.after_lite)
             before = len(req.token_ids)
             req.extend(t_b, lp_b, None if lp is None else [list(zip(i, v)) for i, v in zip(ti_b, tl_b)])
             if e.kind == "spec":  # the steps up to the one that finished the request (a stop string

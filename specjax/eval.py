@@ -96,9 +96,12 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
              topk: int | None = None,
              num_draft_tokens: int | None = None, ngram_max: int = 4, ngram_min: int = 1, max_batch: int = 1,
              max_tokens: int = MAX_TOKENS, dtype: str = "auto", max_seq_len: int = 2048,
-             chat: bool | None = None, warmup_tokens: int = 8, log=print) -> dict:
+             chat: bool | None = None, warmup_tokens: int = 8, min_accept="auto", log=print) -> dict:
     """Plain vs speculative greedy decoding per category, the same tokens per prompt (EOS ignored)
-    -> summary dict (see module doc). draft: a draft directory, "self" or "ngram"."""
+    -> summary dict (see module doc). draft: a draft directory, "self" or "ngram"; min_accept: the
+    speculative LLM's acceptance gate (LLM(min_accept=...), specjax.adaptive)."""
+    import dataclasses
+
     from specjax import LLM, SamplingParams
     from specjax.llm import draft_method
     from specjax.tree import SpecConfig
@@ -110,7 +113,8 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
         spec_cfg = SpecConfig(method=method, num_steps=num_steps or 4, topk=topk or 1,
                               num_draft_tokens=num_draft_tokens, ngram_max=ngram_max, ngram_min=ngram_min)
     plain = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len)
-    spec = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len, draft=draft, spec=spec_cfg)
+    spec = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len, draft=draft, spec=spec_cfg,
+               min_accept=min_accept)
     spec_cfg = spec.spec
     num_steps, topk = spec_cfg.num_steps, spec_cfg.topk
     chat = bool(plain.tokenizer.chat_template) if chat is None else chat
@@ -125,6 +129,12 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
         _run(llm, every, short)  # compiles the prefill buckets of prefix-cache hits, which the timed
         _run(llm, every, short)  # runs below get (the warm-up computed those prompts' pages)
         _run(llm, first, params)
+    gate = spec.engine.batch_opts.min_accept
+    if gate is not None:  # the lite programs the gate switches to: forced on once (every bucket of K)
+        spec.engine.batch_opts = dataclasses.replace(spec.engine.batch_opts, min_accept=float("inf"))
+        _run(spec, every, short)
+        _run(spec, first, params)
+        spec.engine.batch_opts = dataclasses.replace(spec.engine.batch_opts, min_accept=gate)
     log(f"[eval] warm-up {time.perf_counter() - t1:.1f}s")
     eos = plain.eos_ids
     cats = {}
@@ -132,9 +142,12 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
         tp = time.perf_counter()
         res_p = _run(plain, ps, params)
         tp = time.perf_counter() - tp
+        st0 = spec.engine.stats()
         ts = time.perf_counter()
         res_s = _run(spec, ps, params)
         ts = time.perf_counter() - ts
+        st1 = spec.engine.stats()
+        steps = {k: st1[f"{k}_dispatch_steps"] - st0[f"{k}_dispatch_steps"] for k in ("spec", "lite")}
         ok = [i for i, ((op, _), (os_, _)) in enumerate(zip(res_p, res_s))
               if op.finish_reason != "error" and os_.finish_reason != "error"]
         n_p = sum(len(res_p[i][0].token_ids) for i in ok)
@@ -147,13 +160,16 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
                    **acceptance(acc, num_steps), "tau_to_eos": acceptance(upto, num_steps)["tau"],
                    "steps_to_eos": sum(map(len, upto)),
                    "tau_per_prompt": [sum(a) / len(a) for a in acc if a],
-                   "identical": sum(res_p[i][0].token_ids == res_s[i][0].token_ids for i in ok)}
+                   "identical": sum(res_p[i][0].token_ids == res_s[i][0].token_ids for i in ok),
+                   "fused_steps": steps["spec"], "lite_steps": steps["lite"],
+                   "gate_probes": st1["gate_probes"] - st0["gate_probes"]}
         cats[c]["speedup"] = cats[c]["tok_s_spec"] / cats[c]["tok_s_plain"] if cats[c]["tok_s_plain"] else 0.0
         log(f"[eval] {c}: tau {cats[c]['tau']:.3f} (to EOS {cats[c]['tau_to_eos']:.3f}), plain "
             f"{cats[c]['tok_s_plain']:.1f} tok/s, spec {cats[c]['tok_s_spec']:.1f} tok/s, speed-up "
             f"{cats[c]['speedup']:.2f}x")
     tot = {k: sum(v[k] for v in cats.values()) for k in ("prompts", "tokens_plain", "tokens_spec", "seconds_plain",
-                                                       "seconds_spec", "spec_steps", "steps_to_eos", "identical")}
+                                                       "seconds_spec", "spec_steps", "steps_to_eos", "identical",
+                                                       "fused_steps", "lite_steps", "gate_probes")}
 
     def weighted(key, by):
         return sum(v[key] * v[by] for v in cats.values() if v[by]) / max(tot[by], 1)
@@ -168,7 +184,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     settings = {"model": str(plain.model_dir), "draft": str(draft), "method": spec_cfg.method,
                 "num_steps": num_steps, "topk": topk, "num_draft_tokens": spec_cfg.num_draft_tokens,
                 "max_batch": max_batch, "max_tokens": max_tokens, "ignore_eos": True, "dtype": plain.dtype, "chat": chat,
-                "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend()}
+                "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "min_accept": gate}
     if spec_cfg.method == "ngram":
         settings.update(ngram_max=ngram_max, ngram_min=ngram_min)
     return {"settings": settings, "categories": cats, "overall": tot, "prompt_ids": ids}
@@ -268,6 +284,9 @@ def markdown(summary: dict) -> str:
     k = s["num_steps"]
     head = ["category", "prompts", "τ (tokens/step)", "τ to EOS", f"acc@1..{k}", "plain tok/s", "spec tok/s",
             "speed-up", "identical"]
+    gated = s.get("min_accept") is not None
+    if gated:
+        head += ["lite / fused steps"]
     lookup = bool(hf) and "tok_s_lookup" in hf["overall"]
     if hf:
         head += ["HF tok/s"] + (["HF lookup tok/s", "HF lookup speed-up"] if lookup else []) + ["plain / HF"]
@@ -276,13 +295,16 @@ def markdown(summary: dict) -> str:
     ngram = f", n-gram {s['ngram_max']}..{s['ngram_min']}" if s["method"] == "ngram" else ""
     lines = [f"Speculative decoding with `{s['draft']}` ({s['method']}{ngram}, {s['num_steps']} steps, topk "
              f"{s['topk']}, {s['num_draft_tokens']} draft tokens) on `{s['model']}` ({s['dtype']}), greedy, batch "
-             f"{s['max_batch']}, {s['max_tokens']} new tokens per prompt (EOS ignored: equal work), {s['device']}.",
+             f"{s['max_batch']}, {s['max_tokens']} new tokens per prompt (EOS ignored: equal work), {s['device']}"
+             + (f"; acceptance gate: lite steps below τ {s['min_accept']:g} (specjax.adaptive)." if gated else "."),
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c, v in rows:
         acc = "/".join(f"{a:.2f}" for a in v.get("acc", []))
         cells = [c, str(v["prompts"]), f"{v['tau']:.2f}", f"{v.get('tau_to_eos', float('nan')):.2f}", acc,
                  f"{v['tok_s_plain']:.1f}", f"{v['tok_s_spec']:.1f}", f"{v['speedup']:.2f}x",
                  f"{v['identical']}/{v['prompts']}"]
+        if gated:
+            cells += [f"{v.get('lite_steps', 0)} / {v.get('fused_steps', 0)}"]
         if hf:
             h = hf["overall"] if c == "**overall**" else hf["categories"].get(c, {})
             hs, hl = h.get("tok_s", 0.0), h.get("tok_s_lookup", 0.0)
@@ -323,7 +345,7 @@ def plot(summary: dict, png: str | Path) -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specjax.cli import HelpFormatter
+    from specjax.cli import HelpFormatter, min_accept_arg
     from specjax.machine import DTYPE_CHOICES
     p.formatter_class = HelpFormatter  # --help shows the defaults (also for scripts/eval_acceptance.py)
     p.add_argument("--model", default=None, help="converted model dir (default: SmolLM2-135M-Instruct)")
@@ -350,6 +372,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft tree size (default: num_steps for a chain, num_steps * topk for a tree)")
     p.add_argument("--ngram-max", type=int, default=4, help="n-gram drafter: longest suffix matched")
     p.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest suffix matched")
+    p.add_argument("--min-accept", type=min_accept_arg, default="auto", metavar="TAU",
+                   help="acceptance gate of the speculative runs: plain (lite) steps while the measured tokens "
+                   "per fused step stay below TAU ('none': always fused steps; default: the n-gram drafter's "
+                   "break-even, or the draft's spec_defaults)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="compute dtype; auto: float32 on the CPU, bfloat16 on GPUs and TPUs")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context length")
@@ -415,7 +441,8 @@ def cmd_eval(a) -> int:
     summary = run_eval(sets, model=a.model, draft=a.draft, num_steps=a.num_steps, topk=a.topk,
                        num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max, ngram_min=a.ngram_min,
                        max_batch=a.max_batch, max_tokens=a.max_tokens, dtype=a.dtype, max_seq_len=a.max_seq_len,
-                       chat=False if a.raw else None, warmup_tokens=a.warmup_tokens, log=log)
+                       chat=False if a.raw else None, warmup_tokens=a.warmup_tokens, min_accept=a.min_accept,
+                       log=log)
     ids = summary.pop("prompt_ids")
     if a.hf_baseline:
         hf = summary["hf"] = hf_baseline(_gguf(a), ids, a.max_tokens, a.hf_device, a.hf_lookup_tokens,

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from specjax import multihost
+from specjax.adaptive import NGRAM_MIN_ACCEPT, check_min_accept
 from specjax.engine import BatchOptions, CacheOptions, Engine, check_speculate_below
 from specjax.request import Request, RequestOutput
 from specjax.sampling_params import SamplingParams, SamplingParamsError
@@ -75,13 +76,30 @@ def resolve_speculate_below(value, draft) -> int | None:
     return value
 
 
+def resolve_min_accept(value, draft, max_batch: int) -> float | None:
+    """LLM(min_accept=value) -> BatchOptions.min_accept (specjax.adaptive): "auto" is the n-gram
+    drafter's measured break-even for "ngram", a draft directory's spec_defaults "min_accept" for
+    max_batch (checkpoint.head_min_accept), else None (no gate)."""
+    if value == "auto":
+        if draft == "ngram":
+            return NGRAM_MIN_ACCEPT
+        if draft is None or draft == "self":
+            return None
+        from specjax.checkpoint import head_min_accept
+        return head_min_accept(draft, max_batch)
+    check_min_accept(value)
+    if value is not None and draft is None:
+        raise ValueError(f"min_accept={value} needs speculative decoding (a draft)")
+    return value
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", page_size: int = 16,
                  max_batch: int = 8, max_seq_len: int = 2048, num_pages: int | None = None, seed: int = 0,
                  draft: str | Path | None = None, spec=None, tensor_parallel: int = 1,
                  scheduler: SchedulerOptions | None = None, kv_compact_impl: str = "auto", attention="auto",
                  prefix_cache: bool = True, max_prefill_tokens: int = BatchOptions.max_prefill_tokens,
-                 speculate_below: int | None | str = "auto"):
+                 speculate_below: int | None | str = "auto", min_accept: float | None | str = "auto"):
         """dtype: "auto" (float32 on the CPU, bfloat16 on GPUs and TPUs), "bfloat16" or "float32".
         draft: None (plain decoding), "self" (the target drafts for itself: for testing), "ngram"
         (prompt lookup: drafts copied from the request's own text, no weights; specjax.ngram), the
@@ -106,6 +124,10 @@ class LLM:
         decoding that keeps the draft in sync, switching back to speculation losslessly:
         specjax.dispatch_plan) instead of speculative ones; None: always speculate; "auto": from the
         draft's measurements (its specjax.json spec_defaults, checkpoint.head_speculate_below), else None.
+        min_accept (with a draft): run lite steps while the rows' measured tokens per fused step stay
+        below this break-even, probing with a fused dispatch now and then (specjax.adaptive; lossless);
+        None: off; "auto": the n-gram drafter's measured break-even, a draft's spec_defaults
+        "min_accept", else off.
         Constrained requests (SamplingParams json_schema / regex / grammar / choice) compile with one
         specjax.grammar.GrammarCompiler built from the tokenizer on first use."""
         from specjax import compile_cache
@@ -126,6 +148,7 @@ class LLM:
         if draft is not None and draft not in ("self", "ngram"):
             check_converted(draft, "draft")
         below = resolve_speculate_below(speculate_below, draft)
+        gate = resolve_min_accept(min_accept, draft, max_batch)
         self.dtype = dtype
         mesh = None
         if tensor_parallel != 1:
@@ -143,7 +166,7 @@ class LLM:
         if draft is not None:
             engine_draft = self._load_draft(draft, spec, module, dtype)
         self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages, prefix_cache),
-                             BatchOptions(max_batch, max_prefill_tokens, speculate_below=below), DTYPES[dtype],
+                             BatchOptions(max_batch, max_prefill_tokens, speculate_below=below, min_accept=gate), DTYPES[dtype],
                              draft=engine_draft, mesh=mesh,
                              sched=scheduler, grammar=self._grammar_compiler, kv_compact_impl=kv_compact_impl,
                              attention=attention)

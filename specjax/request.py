@@ -50,6 +50,7 @@ class Request:
         self.text = ""
         self.finish_reason: str | None = None
         self.accept_lens: list[int] = []  # tokens emitted by each speculative step
+        self.accept_ema: float | None = None  # estimate of tokens per fused step (specjax.adaptive)
         self._detok = IncrementalDetokenizer(tokenizer, self.token_ids)  # the output's text
         self._max_stop = max(map(len, params.stop), default=0)
         self._per_token_stops = any("\ufffd" in s for s in params.stop)  # may match an incomplete character

@@ -186,6 +186,103 @@ def test_policy(tmp_path):
         resolve_speculate_below(4, None)
 
 
+# ----------------------------------------------------------------------------- acceptance gate
+
+
+class _Req:
+    def __init__(self, ema=None):
+        self.accept_ema = ema
+
+
+def test_gate_decisions():
+    """specjax.adaptive: fused steps while a row has no estimate or the mean estimate reaches
+    min_accept; lite otherwise, with a fused probe after probe_every lite dispatches; estimates are
+    exponential averages of the fused dispatches' tokens per step (a dispatch after lite steps
+    skips its stale first step); bad settings are refused."""
+    from specjax.adaptive import EMA_WEIGHT, AcceptanceGate
+    g = AcceptanceGate()
+    lo, hi, new = _Req(1.2), _Req(3.0), _Req()
+    assert not g.lite([lo, new], 2.0, 3)  # a row without an estimate: measure it
+    assert not g.lite([lo, hi], 2.0, 3)  # mean 2.1 >= 2.0
+    assert not g.lite([lo], None, 3)  # no gate
+    decisions = [g.lite([lo], 2.0, 3) for _ in range(8)]
+    assert decisions == [True, True, True, False, True, True, True, False]
+    assert g.stats() == {"gated_dispatches": 6, "gate_probes": 2}
+    r = _Req()
+    AcceptanceGate.observe(r, [3, 1, 0, 0], after_lite=False)  # finished rows' steps (0) do not count
+    assert r.accept_ema == 2.0
+    AcceptanceGate.observe(r, [1, 4, 4], after_lite=True)  # the stale first step is skipped
+    assert r.accept_ema == pytest.approx((1 - EMA_WEIGHT) * 2.0 + EMA_WEIGHT * 4.0)
+    AcceptanceGate.observe(r, [0, 0], after_lite=False)  # nothing emitted: unchanged
+    AcceptanceGate.observe(_Req(), [2], after_lite=True)  # a single step is kept
+    assert r.accept_ema == pytest.approx(3.0)
+    for bad in (0.5, -1, True, "x", float("nan")):
+        with pytest.raises(ValueError, match="min_accept"):
+            BatchOptions(min_accept=bad)
+    for bad in (0, 1.5, False):
+        with pytest.raises(ValueError, match="probe_every"):
+            BatchOptions(probe_every=bad)
+
+
+@pytest.mark.parametrize("kind", ["ngram tree", "self chain"])
+def test_gate_equals_plain(world, plain, kind):
+    """The gate in the engine: with a break-even no draft reaches (100 tokens per step) every row is
+    gated after its first fused dispatch, probes run every probe_every lite dispatches, and the
+    outputs are plain decoding's (greedy float32; penalties, stop ids); with min_accept 1 (every
+    fused step emits >= 1 token) nothing is gated. The self-drafting chain accepts every token, so
+    its estimate is the full step (4) and min_accept 4 keeps it fused."""
+    cfg, target, prompts = world
+    params, want = plain
+    eng = _engine(world, _draft(cfg, target, kind), min_accept=100.0, probe_every=2)
+    spy = []
+    reqs = _run(eng, prompts, params, spy=spy)
+    assert [(r.token_ids, r.finish_reason) for r in reqs] == want
+    st = eng.stats()
+    assert st["gated_dispatches"] > 0 and st["gate_probes"] > 0 and st["lite_dispatches"] == st["gated_dispatches"]
+    kinds = [lite for lite, _ in spy]
+    assert not kinds[0] and any(kinds)  # the first dispatch measures, then lite steps
+    assert all(r.accept_ema is not None and r.accept_ema < 100 for r in reqs)
+    for gate in ((1.0,) if kind == "ngram tree" else (1.0, 4.0)):
+        eng = _engine(world, _draft(cfg, target, kind), min_accept=gate, probe_every=2)
+        reqs = _run(eng, prompts, params)
+        assert [(r.token_ids, r.finish_reason) for r in reqs] == want
+        assert eng.stats()["gated_dispatches"] == 0 and eng.stats()["lite_dispatches"] == 0
+        if gate == 4.0:
+            assert reqs[0].accept_ema == 4.0
+
+
+def test_min_accept_resolution(tmp_path):
+    """LLM(min_accept=...): "auto" is the n-gram break-even for "ngram", a draft's spec_defaults
+    "min_accept" for the batch, else None; numbers are checked; a bad value in specjax.json names
+    the file; the CLI flag takes a number, 'none' or 'auto'."""
+    import argparse
+    import json
+
+    from specjax.adaptive import NGRAM_MIN_ACCEPT
+    from specjax.checkpoint import CheckpointError
+    from specjax.cli import min_accept_arg
+    from specjax.llm import resolve_min_accept
+    assert resolve_min_accept("auto", "ngram", 1) == NGRAM_MIN_ACCEPT
+    assert resolve_min_accept("auto", None, 1) is None and resolve_min_accept("auto", "self", 1) is None
+    assert resolve_min_accept(None, "ngram", 1) is None and resolve_min_accept(2.5, "self", 1) == 2.5
+    (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": {
+        "1": {"num_steps": 5, "topk": 4, "num_draft_tokens": 16, "min_accept": 2.3}, "8": {"num_steps": 4}}}))
+    assert resolve_min_accept("auto", str(tmp_path), 1) == 2.3 and resolve_min_accept("auto", str(tmp_path), 4) == 2.3
+    assert resolve_min_accept("auto", str(tmp_path), 8) is None
+    for bad in (0.9, "fast", True):
+        with pytest.raises(ValueError, match="min_accept"):
+            resolve_min_accept(bad, "ngram", 1)
+    with pytest.raises(ValueError, match="needs speculative decoding"):
+        resolve_min_accept(2.0, None, 1)
+    (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": {"1": {"num_steps": 5, "min_accept": 0}}}))
+    with pytest.raises(CheckpointError, match="min_accept"):
+        resolve_min_accept("auto", str(tmp_path), 1)
+    assert min_accept_arg("none") is None and min_accept_arg("AUTO") == "auto" and min_accept_arg("1.5") == 1.5
+    for bad in ("0.5", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            min_accept_arg(bad)
+
+
 # ----------------------------------------------------------------------------- sampling law
 
 V = 6

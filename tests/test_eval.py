@@ -181,4 +181,7 @@ def test_eval_ngram_small_run(tmp_path, capsys):
     c = s["categories"]["copy"]
     assert c["identical"] == 2 and c["tokens_plain"] == c["tokens_spec"] == 48
     assert c["tau"] > 1.2 and c["acc"][0] > 0.1
-    assert "ngram, n-gram 4..1" in capsys.readouterr().out
+    from specjax.adaptive import NGRAM_MIN_ACCEPT  # the acceptance gate is on by default for n-gram
+    assert s["settings"]["min_accept"] == NGRAM_MIN_ACCEPT and c["fused_steps"] > 0 and c["lite_steps"] >= 0
+    text = capsys.readouterr().out
+    assert "ngram, n-gram 4..1" in text and "lite / fused steps" in text and "lite steps below τ 1.35" in text

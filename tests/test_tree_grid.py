@@ -1,0 +1,38 @@
+"""scripts/tree_grid.py's timing: a generate call that compiled is repeated (with more requests
+than slots, an identical call can be admitted in another order and compile prefill shapes of
+prefix-cache hits), and a run where every call compiles is an error, not a figure."""
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from tree_grid import _timed  # noqa: E402
+
+
+class FakeLLM:
+    """generate() returns outputs of 3 tokens each; the first `compiling` calls add a program."""
+
+    def __init__(self, compiling: int):
+        self.compiling, self.calls, self.programs = compiling, 0, 5
+        self.engine = SimpleNamespace(num_compiled=lambda: self.programs)
+
+    def generate(self, ids, params):
+        self.calls += 1
+        if self.calls <= self.compiling:
+            self.programs += 1
+        return [SimpleNamespace(token_ids=[1, 2, 3], accept_len_mean=2.0) for _ in ids]
+
+
+def test_timed_repeats_until_nothing_compiles(capsys):
+    llm = FakeLLM(compiling=2)
+    tps, tau, n = _timed(llm, [[0], [1]], None, tries=3)
+    assert llm.calls == 3 and n == 6 and tau == 2.0 and tps > 0
+    assert capsys.readouterr().out.count("compiled 1 program(s)") == 2
+    llm = FakeLLM(compiling=0)
+    _timed(llm, [[0]], None)
+    assert llm.calls == 1
+    with pytest.raises(RuntimeError, match="every one of 3 identical calls compiled"):
+        _timed(FakeLLM(compiling=5), [[0]], None, tries=3)
