@@ -57,6 +57,7 @@ from specjax.request import Request
 from specjax import sampling
 from specjax.sampling import SamplingArrays
 from specjax.scheduler import MIN_PREFILL_LEN, Piece, Scheduler, SchedulerOptions, bucket, slot_pages
+from specjax.shape_reuse import ShapeReuse
 
 __all__ = ["BatchOptions", "CacheOptions", "Draft", "Engine", "SchedulerOptions", "StepUpdate"]
 
@@ -227,7 +228,7 @@ class Engine(GrammarSteps):
         self.replica = None  # multi-host, process 0: a specjax.multihost.Leader sending the commands below
         self.masks = MaskBuilder(self._width(), self.opts.mask_threads)  # grammar masks, built on the host
         self.host = HostTimes()
-        self._prefill_shapes: set[tuple[int, int]] = set()  # (rows, length) of the prefills dispatched
+        self.shapes = ShapeReuse(slack=4)  # padded shapes: reuse a compiled program up to 4x the size
         self.dispatches = dict.fromkeys(("decode", "spec", "lite"), 0)  # decode dispatches by kind
         self.gate = AcceptanceGate()  # lite or fused steps by measured acceptance (BatchOptions.min_accept)
         self._last_kind = None  # the kind of the last decode dispatch
@@ -474,8 +475,10 @@ class Engine(GrammarSteps):
     # -- dispatch ---------------------------------------------------------------------------
     def _prefill(self, pieces: list[Piece]):
         self._push_page_table()
-        B = bucket(len(pieces), 1, self.batch_opts.max_batch)
-        T = self._prefill_len(B, self.sched.prefill_len(max(p.end - p.start for p in pieces)))
+        samplers = [(b, pc.req) for b, pc in enumerate(pieces) if pc.final]  # rows whose sample is used
+        flags = self._flags([r for _, r in samplers])
+        B, T = self._prefill_shape(len(pieces), max(p.end - p.start for p in pieces),
+                                   (*flags.values(), any(r.grammar is not None for _, r in samplers)))
         tokens = np.zeros((B, T), np.int32)
         start, lens, next_ids = (np.zeros(B, np.int32) for _ in range(3))
         final = np.zeros(B, bool)
@@ -491,9 +494,7 @@ class Engine(GrammarSteps):
         firsts = [pc for pc in pieces if pc.first]
         if firsts:
             self._admit_slots(firsts)
-        samplers = [(b, pc.req) for b, pc in enumerate(pieces) if pc.final]  # rows whose sample is used
         mask, drafts = self._prefill_grammar(samplers, B)  # the first token's masks (and grammar drafts)
-        flags = self._flags([r for _, r in samplers])
         rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
         t0 = time.perf_counter()
         if self.draft is None:
@@ -507,16 +508,15 @@ class Engine(GrammarSteps):
         if finals:  # a call of unfinished prefills only has nothing to read
             self._push("prefill", out, trees, finals, 0, 1)
 
-    def _prefill_len(self, B: int, T: int) -> int:
-        """The padded length of a prefill of B rows needing T: a length already dispatched for B rows
-        up to 4x T (within the prefill token budget) instead of a new program. Prefix-cache hits make
-        the rows of a repeated batch shorter than the first time; this way a second identical call
-        compiles nothing."""
-        done = [t for b, t in self._prefill_shapes
-                if b == B and T <= t <= 4 * T and B * t <= self.batch_opts.max_prefill_tokens]
-        T = min(done, default=T)
-        self._prefill_shapes.add((B, T))
-        return T
+    def _prefill_shape(self, n: int, longest: int, key: tuple) -> tuple[int, int]:
+        """(rows B, length T) of a prefill of n pieces whose longest has `longest` tokens: the
+        buckets, or a larger shape already dispatched with the same flags, up to 4x their tokens and
+        within the prefill token budget (specjax.shape_reuse). Prefix-cache hits make the rows of a
+        repeated batch shorter than the first time, and refilled slots admit a few requests at a
+        time: either way few prefill programs are compiled."""
+        B = bucket(n, 1, self.batch_opts.max_batch)
+        T = self.sched.prefill_len(longest)
+        return self.shapes.pick(("prefill", key), (B, T), limit=max(B * T, self.batch_opts.max_prefill_tokens))
 
     def _admit_slots(self, firsts: list[Piece]):
         """The per-slot state of newly admitted slots that needs their whole sequence (a piece may
@@ -552,13 +552,18 @@ class Engine(GrammarSteps):
         """One decode dispatch over rows (plain, fused speculative or lite steps: specjax.dispatch_plan);
         grammar: with the masks (and grammar drafts) of its constrained rows, computed first (the
         reference order, overlap off)."""
-        slots, active = self.sched.row_slots(rows)
-        mask, drafts = self._step_grammar(rows, len(slots)) if grammar else (None, None)
         flags = self._flags([r for _, r in rows])
         b = self.batch_opts
         gated = (self.draft is not None and not grammar and not dispatch_plan.runs_lite(len(rows), b.speculate_below)
                  and self.gate.lite([r for _, r in rows], b.min_accept, b.probe_every))
         p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated)
+        if grammar:
+            slots, active = self.sched.row_slots(rows)
+        else:  # the bucket, or a larger batch already dispatched by the same program family
+            n = len(self.sched.row_slots(rows)[0])
+            n, = self.shapes.pick(("decode", p.kind, p.num_steps, *flags.values()), (n,))
+            slots, active = self.sched.row_slots(rows, num_rows=n)
+        mask, drafts = self._step_grammar(rows, len(slots)) if grammar else (None, None)
         self._push_page_table()  # pages the plan took for K steps
         t0 = time.perf_counter()
         if self.draft is not None:  # K steps in one program: a row that finishes stops changing state

@@ -14,6 +14,7 @@ from specjax.drafter import DraftInfo
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
 from specjax.request import Request
 from specjax.sampling_params import SamplingParams
+from specjax.shape_reuse import ShapeReuse
 from specjax.tree import SpecConfig
 
 MAX_SEQ = 64
@@ -52,7 +53,7 @@ def test_second_identical_run_compiles_nothing(world, spec):
     penalty state is created on the way, between the programs' calls); the second identical run
     compiles nothing. Speculative (a draft of the target itself, greedy) with prefix caching on (the
     default): the second run finds the prompts' pages cached and prefills only the rest, padded to the
-    prefill length the first run compiled (Engine._prefill_len); neither it nor a third run compiles."""
+    prefill length the first run compiled (Engine._prefill_shape); neither it nor a third run compiles."""
     cfg, model, prompts = world
     draft = Draft(model, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=2)) if spec else None
     eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, prefix_cache=spec),
@@ -77,3 +78,41 @@ def test_second_identical_run_compiles_nothing(world, spec):
         assert c.n == 0, f"an identical run compiled {c.n} XLA executables"
     if spec:
         assert eng.stats()["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "spec"])
+def test_smaller_batches_reuse_larger_programs(world, spec):
+    """After a batch of 8 requests, batches of 5 and 3 (other buckets, shorter prompts) run on the
+    programs already compiled, padded (specjax.shape_reuse): no new executable, where an engine that
+    reuses nothing (slack 1) compiles the exact buckets; the outputs are the same."""
+    cfg, model, _ = world
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(0, 96, size=n)] for n in (9, 14, 6, 11, 13, 7, 10, 12)]
+    params = [SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=0.7, ignore_eos=True, seed=5)]
+
+    def engine():
+        draft = Draft(model, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=2)) if spec else None
+        return Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, prefix_cache=False),
+                      BatchOptions(max_batch=8), jnp.float32, draft=draft)
+
+    def run(eng, ps):
+        reqs = [Request(i, None, p, params[i % 2], IdTokenizer(), (96,), MAX_SEQ, 7) for i, p in enumerate(ps)]
+        eng.run(reqs)
+        assert all(r.finish_reason == "length" for r in reqs)
+        return [r.token_ids for r in reqs]
+
+    def second_phase(slack):
+        eng = engine()
+        eng.shapes = ShapeReuse(slack=slack)
+        run(eng, prompts)
+        compiled = eng.num_compiled()
+        with CompileCounter() as c:
+            got = [run(eng, ps) for ps in [prompts[1:6], prompts[5:8]]]
+        return got, eng.num_compiled() - compiled, c.n
+
+    got, new_programs, xla = second_phase(4)
+    assert new_programs == 0 and xla == 0, f"smaller batches compiled {new_programs} programs ({xla} executables)"
+    exact, new_programs, xla = second_phase(1)  # no reuse: the exact buckets, compiled now
+    assert new_programs > 0 and xla > 0
+    assert got == exact
