@@ -41,6 +41,35 @@ def best_entry(r: dict):
     return {k: r[k] for k in ("num_steps", "topk", "num_draft_tokens")}
 
 
+def request_count(num_prompts: int, batch: int) -> int:
+    """Requests per timed call: the prompts, repeated up to a whole number of batches (a call of
+    B + a few requests would time a second wave of a few rows, which speculation pays for most)."""
+    return batch * -(-num_prompts // batch)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Speed-up against plain decoding per tree shape, one line per batch size, to a PNG
+    (`python3 -c "import json, tree_grid; tree_grid.plot(json.load(open('grid.json'))['rows'], 'grid.png')"`
+    redraws it from a JSON, also from a run cut short)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for B in sorted({r["batch"] for r in rows}):
+        rs = [r for r in rows if r["batch"] == B]
+        ax.plot([f"{r['num_steps']}/{r['topk']}/{r['num_draft_tokens']}" for r in rs],
+                [r["speedup"] for r in rs], marker="o", label=f"batch {B}")
+        for r in rs:
+            ax.annotate(f"τ {r['tau']:.2f}", (f"{r['num_steps']}/{r['topk']}/{r['num_draft_tokens']}", r["speedup"]),
+                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(xlabel="num_steps / topk / num_draft_tokens", ylabel="speed-up vs plain", title="tree grid")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _timed(llm, ids, params, tries: int = 3) -> tuple[float, float, int]:
     """tok/s, mean tau and tokens of an identical generate call that compiled nothing (up to `tries`
     calls: with more requests than slots the admission order, and so the prefill shapes of prefix
@@ -92,8 +121,7 @@ def main(argv=None) -> int:
         ids = [plain.tokenizer.encode(plain.apply_chat_template([{"role": "user", "content": t}]),
                                       add_special_tokens=False) for t in texts]
         ids = [x for x in ids if len(x) + a.max_tokens < a.max_seq_len]
-        reps = max(1, B // len(ids) + 1) if len(ids) < B else 1
-        ids = (ids * reps)[: max(len(ids), B)]
+        ids = (ids * B)[: request_count(len(ids), B)]  # whole waves: no second wave of a few rows
         params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
         plain.generate(ids[:B], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # compile
         plain.generate(ids, params)
@@ -113,6 +141,8 @@ def main(argv=None) -> int:
             print(f"[grid] batch {B} steps {steps} topk {topk} tokens {ntok}: tau {tau:.2f}, {tps:.0f} tok/s, "
                   f"x{tps / plain_tps:.2f}", flush=True)
             del llm
+            if a.json:  # after every row: a run cut short keeps what it measured
+                Path(a.json).write_text(json.dumps({"rows": rows, "complete": False}, indent=2) + "\n")
     md = ["| batch | num_steps | topk | num_draft_tokens | τ | spec tok/s | plain tok/s | speed-up |",
           "|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['batch']} | {r['num_steps']} | {r['topk']} | {r['num_draft_tokens']} | {r['tau']:.2f} | "
@@ -126,21 +156,9 @@ def main(argv=None) -> int:
     if a.markdown:
         Path(a.markdown).write_text(text + "\n")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "best": best}, indent=2) + "\n")
+        Path(a.json).write_text(json.dumps({"rows": rows, "best": best, "complete": True}, indent=2) + "\n")
     if a.png:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(8, 4))
-        for B in sorted({r["batch"] for r in rows}):
-            rs = [r for r in rows if r["batch"] == B]
-            ax.plot([f"{r['num_steps']}/{r['topk']}/{r['num_draft_tokens']}" for r in rs],
-                    [r["speedup"] for r in rs], marker="o", label=f"batch {B}")
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set(xlabel="num_steps / topk / num_draft_tokens", ylabel="speed-up vs plain", title="tree grid")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(a.png, dpi=100)
+        plot(rows, a.png)
     if a.write_best:
         meta_path = Path(a.write_best) / "specjax.json"
         meta = json.loads(meta_path.read_text())

@@ -36,3 +36,17 @@ def test_timed_repeats_until_nothing_compiles(capsys):
     assert llm.calls == 1
     with pytest.raises(RuntimeError, match="every one of 3 identical calls compiled"):
         _timed(FakeLLM(compiling=5), [[0]], None, tries=3)
+
+
+def test_request_count_whole_waves():
+    from tree_grid import request_count
+    assert request_count(12, 1) == 12 and request_count(12, 8) == 16 and request_count(12, 32) == 32
+    assert request_count(64, 32) == 64 and request_count(65, 32) == 96
+
+
+def test_plot_writes_a_png(tmp_path):
+    from tree_grid import plot
+    rows = [{"batch": B, "num_steps": s, "topk": k, "num_draft_tokens": n, "tau": 2.0 + s / 10, "speedup": sp}
+            for B, sp0 in ((1, 1.3), (32, 0.7)) for (s, k, n), sp in zip([(4, 1, 4), (5, 4, 16)], (sp0, sp0 - 0.1))]
+    plot(rows, str(tmp_path / "g.png"))
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
