@@ -135,6 +135,7 @@ def main(argv=None) -> int:
             llm.generate(ids, params)  # compile every bucket; the second pass compiles the prefill
             llm.generate(ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # of cache hits
             tps, tau, _ = _timed(llm, ids, params)
+            attention = llm.engine.attention_name
             rows.append({"batch": B, "num_steps": steps, "topk": topk, "num_draft_tokens": ntok, "tau": round(tau, 3),
                          "tok_s": round(tps, 1), "plain_tok_s": round(plain_tps, 1),
                          "speedup": round(tps / plain_tps, 3)})
@@ -163,6 +164,10 @@ def main(argv=None) -> int:
         meta_path = Path(a.write_best) / "specjax.json"
         meta = json.loads(meta_path.read_text())
         meta["spec_defaults"] = {str(B): best_entry(r) for B, r in sorted(best.items())}
+        import jax
+        meta["spec_defaults_measured"] = {"attention": attention, "device": jax.devices()[0].device_kind,
+                                          "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+                                          "by": "scripts/tree_grid.py --write-best"}
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")
         print(f"[grid] wrote spec_defaults {meta['spec_defaults']} to {meta_path}")
     return 0

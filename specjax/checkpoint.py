@@ -157,6 +157,21 @@ def head_speculate_below(draft_dir: str | Path) -> int | None:
     return below
 
 
+def measurement_note(draft_dir: str | Path, attention: str) -> str | None:
+    """Why a draft directory's spec_defaults may not fit this engine: its specjax.json
+    "spec_defaults_measured" ({"attention", "device", ...}, written by scripts/tree_grid.py) names
+    another attention implementation than `attention` (the engine's), whose costs decide where
+    speculation pays (cuDNN's attention reads every page up to the capacity; the Mosaic kernel only
+    the live ones). None when they agree or nothing was recorded."""
+    measured = read_meta(draft_dir).get("spec_defaults_measured")
+    if not isinstance(measured, dict) or not measured.get("attention") or measured["attention"] == attention:
+        return None
+    where = f" on {measured['device']}" if measured.get("device") else ""
+    return (f"the draft's spec_defaults were measured with attention {measured['attention']}{where}; this engine "
+            f"runs {attention}, so its tree shapes and lite-step threshold may not be the fastest here "
+            "(scripts/tree_grid.py --write-best measures them; --speculate-below / --num-steps override)")
+
+
 def convert_hint(path: str | Path, what: str = "model") -> str:
     """What to run when `path` is a model (or draft) that has not been converted yet."""
     if what == "draft":

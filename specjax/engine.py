@@ -283,6 +283,7 @@ class Engine(GrammarSteps):
 
         impl, choice = pick(cfg)
         self.attention_choice = {"attention": str(choice)}
+        self.attention_name = impl.name  # the target's implementation (specjax.attention)
         target = attn_lib.configure(model, impl)
         if draft is None or draft.model is None:  # plain decoding, or the n-gram drafter (no model, no KV)
             return target, draft

@@ -170,6 +170,11 @@ class LLM:
                              draft=engine_draft, mesh=mesh,
                              sched=scheduler, grammar=self._grammar_compiler, kv_compact_impl=kv_compact_impl,
                              attention=attention)
+        if draft is not None and draft not in ("self", "ngram"):
+            from specjax.checkpoint import measurement_note
+            note = measurement_note(draft, self.engine.attention_name)
+            if note:
+                log.warning("speculation: %s", note)
         self._rng = random.Random(seed)
         self._next_id = 0
         self._follower = None  # multi-host, processes other than 0 (specjax.multihost)

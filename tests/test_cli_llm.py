@@ -283,3 +283,24 @@ def test_head_spec_defaults(tmp_path):
         (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": bad}))
         with pytest.raises(CheckpointError, match="spec_defaults"):
             head_spec_defaults(tmp_path, 1)
+
+
+def test_measurement_note(tmp_path):
+    """spec_defaults measured with another attention implementation than the engine's are named
+    (LLM logs it as a warning); the same implementation, or no record, says nothing."""
+    from specjax.checkpoint import measurement_note
+    (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": {"1": {"num_steps": 5}, "32": "plain"}}))
+    assert measurement_note(tmp_path, "reference") is None
+    (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": {"32": "plain"}, "spec_defaults_measured": {
+        "attention": "mosaic_gpu", "device": "NVIDIA H100 80GB HBM3"}}))
+    assert measurement_note(tmp_path, "mosaic_gpu") is None
+    note = measurement_note(tmp_path, "cudnn")
+    assert "measured with attention mosaic_gpu on NVIDIA H100 80GB HBM3" in note and "runs cudnn" in note
+
+
+def test_shipped_head_records_its_measurement():
+    from specjax.assets import DEFAULT_HEAD_DIR
+    from specjax.checkpoint import head_speculate_below, measurement_note, read_meta
+    assert read_meta(DEFAULT_HEAD_DIR)["spec_defaults_measured"]["attention"] == "mosaic_gpu"
+    assert head_speculate_below(DEFAULT_HEAD_DIR) == 32
+    assert "runs reference" in measurement_note(DEFAULT_HEAD_DIR, "reference")
