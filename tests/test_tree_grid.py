@@ -50,3 +50,4 @@ def test_plot_writes_a_png(tmp_path):
             for B, sp0 in ((1, 1.3), (32, 0.7)) for (s, k, n), sp in zip([(4, 1, 4), (5, 4, 16)], (sp0, sp0 - 0.1))]
     plot(rows, str(tmp_path / "g.png"))
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
