@@ -58,6 +58,9 @@ class Request:
         self._stop_cut: int | None = None  # text offset where a stop string begins
         self.error: str | None = None
         self.grammar = None  # specjax.grammar.RequestGrammar of a constrained request
+        self.dfa = None  # specjax.dfa_routing.DeviceDFA: the constraint runs on the device (no matcher here)
+        self.constraint_path: str | None = None  # "device_dfa" | "host_grammar" for a constrained request
+        self.dfa_fallback: str | None = None  # why a regex / choice constraint took the host path
         # engine / scheduler bookkeeping
         self.slot: int | None = None
         self.arrival = 0  # submission order (preemption retracts the youngest)
