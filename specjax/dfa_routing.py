@@ -33,15 +33,20 @@ _BYTE_STATES = 4096  # the subset construction's own limit (compile_regex)
 
 
 class DeviceDFA:
-    """A request's token DFA with its tables padded to the device limits:
-    cls [V] int16/int32, next [S_max, C_max] int32 (-1 padded)."""
+    """A request's token DFA (specjax.token_dfa.TokenDFA) and the EOS ids it allows at its ends."""
 
-    def __init__(self, token_dfa: TokenDFA, max_states: int, max_classes: int, eos_ids: tuple[int, ...]):
+    def __init__(self, token_dfa: TokenDFA, eos_ids: tuple[int, ...]):
         self.token_dfa = token_dfa
         self.eos_ids = eos_ids
-        self.cls = token_dfa.token_class.astype(np.int16 if max_classes <= 32767 else np.int32)
-        self.next = np.full((max_states, max_classes), -1, np.int32)
-        self.next[:token_dfa.num_states, :token_dfa.num_classes] = token_dfa.next
+
+    def fits(self, max_states: int, max_classes: int) -> bool:
+        return self.token_dfa.num_states <= max_states and self.token_dfa.num_classes <= max_classes
+
+    def padded(self, max_states: int, max_classes: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cls [V] int32, next [max_states, max_classes] int32, -1 padded): the device tables' rows."""
+        nxt = np.full((max_states, max_classes), -1, np.int32)
+        nxt[:self.token_dfa.num_states, :self.token_dfa.num_classes] = self.token_dfa.next
+        return self.token_dfa.token_class, nxt
 
     def state_after(self, tokens) -> int:
         """The state after tokens from the start (a preempted request's generated tokens); ValueError
@@ -55,12 +60,8 @@ class DeviceDFA:
 class DFARouter:
     """Token DFAs of constraints against one vocabulary, within the device limits (see the module)."""
 
-    def __init__(self, vocab_size: int, max_states: int, max_classes: int, cache_size: int = 64):
-        for name, v in (("dfa_max_states", max_states), ("dfa_max_classes", max_classes)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    def __init__(self, vocab_size: int, cache_size: int = 64):
         self.vocab_size = vocab_size
-        self.max_states, self.max_classes = max_states, max_classes
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_size = cache_size
         self._token_bytes = None
@@ -71,38 +72,41 @@ class DFARouter:
             self._token_bytes = (tokenizer_info, vocab_token_bytes(tokenizer_info))
         return self._token_bytes[1]
 
-    def route(self, key, tokenizer_info, eos_ids) -> tuple[DeviceDFA | None, str | None]:
-        """(the constraint's DeviceDFA, None), or (None, why it runs on the host path)."""
+    def route(self, key, tokenizer_info, eos_ids, max_states: int, max_classes: int
+              ) -> tuple[DeviceDFA | None, str | None]:
+        """(the constraint's DeviceDFA, None), or (None, why it runs on the host path); max_states /
+        max_classes: the limits (SchedulerOptions.dfa_max_states / dfa_max_classes)."""
         kind, text = key
         if kind not in DFA_KINDS:
             return None, f"{kind} constraints run on the host grammar path"
         eos = tuple(sorted(int(t) for t in eos_ids))
-        ck = (key, eos)
+        ck = (key, eos, max_states)
         with self._lock:
-            if ck in self._cache:
+            got = self._cache.get(ck)
+            if got is not None:
                 self._cache.move_to_end(ck)
-                return self._cache[ck]
-        got = self._build(kind, text, tokenizer_info, eos)
-        with self._lock:
-            self._cache[ck] = got
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        if got is None:
+            got = self._build(kind, text, tokenizer_info, eos, max_states)
+            with self._lock:
+                self._cache[ck] = got
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        dfa, why = got
+        if dfa is not None and dfa.token_dfa.num_classes > max_classes:
+            return None, f"{dfa.token_dfa.num_classes} token classes > dfa_max_classes={max_classes}"
         return got
 
-    def _build(self, kind, text, tokenizer_info, eos) -> tuple[DeviceDFA | None, str | None]:
+    def _build(self, kind, text, tokenizer_info, eos, max_states) -> tuple[DeviceDFA | None, str | None]:
         try:
             pattern = text if kind == "regex" else choice_regex(json.loads(text))
-            byte_dfa = compile_regex(pattern, max(_BYTE_STATES, self.max_states), xgrammar=True)
+            byte_dfa = compile_regex(pattern, max(_BYTE_STATES, max_states), xgrammar=True)
         except RegexUnsupported as e:
             return None, f"regex not supported on the device: {e}"
         except (RegexError, ValueError) as e:  # invalid: the host path reports it as it always did
             return None, f"invalid {kind} for the device DFA compiler: {e}"
-        if byte_dfa.num_states > self.max_states:
-            return None, f"{byte_dfa.num_states} DFA states > dfa_max_states={self.max_states}"
+        if byte_dfa.num_states > max_states:  # checked before the (costlier) lift to tokens
+            return None, f"{byte_dfa.num_states} DFA states > dfa_max_states={max_states}"
         token_bytes = self._bytes(tokenizer_info)
         if len(token_bytes) > self.vocab_size:
             return None, f"the tokenizer's {len(token_bytes)} tokens exceed the model's vocabulary {self.vocab_size}"
-        td = build_token_dfa(byte_dfa, token_bytes, eos, self.vocab_size)
-        if td.num_classes > self.max_classes:
-            return None, f"{td.num_classes} token classes > dfa_max_classes={self.max_classes}"
-        return DeviceDFA(td, self.max_states, self.max_classes, eos), None
+        return DeviceDFA(build_token_dfa(byte_dfa, token_bytes, eos, self.vocab_size), eos), None

@@ -56,10 +56,11 @@ class DFASteps:
             if why is not None:
                 return why
             if self._dfa_router is None:
-                self._dfa_router = DFARouter(self.cfg.vocab_size, self.opts.dfa_max_states, self.opts.dfa_max_classes)
+                self._dfa_router = DFARouter(self.cfg.vocab_size)
             info = self._grammar.tokenizer_info
             eos = tuple(req.eos_ids) or tuple(int(t) for t in info.stop_token_ids)
-            dfa, why = self._dfa_router.route(req.params.constraint, info, eos)
+            dfa, why = self._dfa_router.route(req.params.constraint, info, eos, self.opts.dfa_max_states,
+                                              self.opts.dfa_max_classes)
             if dfa is not None:
                 req.dfa, req.constraint_path = dfa, "device_dfa"
                 req.stop_ids = req.stop_ids | set(dfa.eos_ids)  # the DFA's end, as the grammar's ends the host path
@@ -74,15 +75,41 @@ class DFASteps:
             counts["host_grammar_requests"] += 1
         return why
 
+    def _dfa_tables(self, group) -> tuple[int, int] | None:
+        """The device tables' (S_max, C_max), created (or, after a change of the limits while no other
+        DFA request runs, recreated) for admitted slots [(slot, request)]; None: no tables."""
+        limits = (self.opts.dfa_max_states, self.opts.dfa_max_classes)
+        t = self.state.dfa
+        if t is not None and tuple(t.next.shape[1:]) != limits:
+            admitted = {s for s, _ in group}
+            if not any(r.dfa is not None for s, r in self.sched.running() if s not in admitted):
+                t = None
+        if t is None:
+            if not any(r.dfa is not None for _, r in group):
+                return None if self.state.dfa is None else tuple(self.state.dfa.next.shape[1:])
+            t = self._commit(dfa_lib.init_tables(self.batch_opts.max_batch, self.cfg.vocab_size, *limits))
+            self.state = dataclasses.replace(self.state, dfa=t)
+        return tuple(t.next.shape[1:])
+
     def _admit_dfa(self, group) -> None:
-        """Device DFA tables of admitted slots [(slot, request)] (see the module)."""
+        """Device DFA tables of admitted slots [(slot, request)] (see the module). A DFA larger than
+        the existing tables (the limits raised while DFA requests run) takes the host path instead."""
+        shape = self._dfa_tables(group)
+        if shape is None:
+            return
+        for _, r in group:
+            if r.dfa is not None and not r.dfa.fits(*shape):
+                r.dfa, r.constraint_path = None, None
+                r.dfa_fallback = f"the DFA does not fit the device tables {shape} created under other limits"
+                self._dfa_counts()["dfa_requests"] -= 1
+                self._dfa_counts()["dfa_fallbacks"] += 1
+                why = self._attach_grammar(r)  # compiled before: the same constraint
+                if why is None:
+                    r.constraint_path = "host_grammar"
+                    self._dfa_counts()["host_grammar_requests"] += 1
+                else:
+                    raise RuntimeError(f"request {r.id}: no host grammar for a DFA fallback: {why}")
         dfa_rows = [(s, r) for s, r in group if r.dfa is not None]
-        if self.state.dfa is None:
-            if not dfa_rows:
-                return
-            tables = dfa_lib.init_tables(self.batch_opts.max_batch, self.cfg.vocab_size, self.opts.dfa_max_states,
-                                         self.opts.dfa_max_classes)
-            self.state = dataclasses.replace(self.state, dfa=self._commit(tables))
         M = self.batch_opts.max_batch
         others = [s for s, r in group if r.dfa is None]
         if others:
@@ -92,12 +119,12 @@ class DFASteps:
         if not dfa_rows:
             return
         B = bucket(len(dfa_rows), 1, M)
-        d0 = dfa_rows[0][1].dfa
-        cls = np.zeros((B,) + d0.cls.shape, d0.cls.dtype)
-        nxt = np.full((B,) + d0.next.shape, -1, np.int32)
+        cls = np.zeros((B, self.cfg.vocab_size), np.int16 if shape[1] <= 32767 else np.int32)  # the tables' dtype
+        nxt = np.full((B,) + shape, -1, np.int32)
         start = np.full(B, -1, np.int32)
         slots = np.full(B, M, np.int32)
         for b, (s, r) in enumerate(dfa_rows):
-            slots[b], cls[b], nxt[b] = s, r.dfa.cls, r.dfa.next
+            slots[b] = s
+            cls[b], nxt[b] = r.dfa.padded(*shape)
             start[b] = r.dfa.state_after(r.token_ids)  # tokens generated before a preemption
         self.state = prog.admit_dfa(self.state, slots, cls, nxt, start)

@@ -56,6 +56,12 @@ class SchedulerOptions:
     dfa_max_states: int = 128  # static shape limits of the per-slot DFA tables (next [S, C] int32 per slot)
     dfa_max_classes: int = 256
 
+    def __post_init__(self):
+        for name in ("dfa_max_states", "dfa_max_classes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
 
 def slot_pages(entries: int, page_size: int) -> int:
     """Pages of one slot's page table to address `entries` cache entries."""
