@@ -189,6 +189,14 @@ def _draft_rows(info, pen: PenaltyState | None, slots):
     return pen_lib.rows(pen, slots)
 
 
+def _draft_dfa(info, state: SpecState, rs, root_states):
+    """(DFAView, the next roots' states [B]) for drafting under the rows' DFAs (None: no DFA in the
+    dispatch, or a draft with its own vocabulary: EAGLE-3 drafts unmasked, which costs acceptance only)."""
+    if root_states is None or info.method == "eagle3":
+        return None
+    return dfa_lib.view(state.dfa, rs)._replace(state=root_states), root_states
+
+
 def grammar_levels(drafts, node, bonus, num_steps: int):
     """The first levels of the next tree that the grammar drafts (specjax.grammar_drafts).
 
@@ -221,11 +229,14 @@ def _force(spec, s, forced, tok, sc, q):
 
 
 def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logits_last, samp,
-          sample_drafts, pen_rows=None, forced=None):
+          sample_drafts, pen_rows=None, forced=None, dfa=None):
     """Grow the next tree from the draft's output at the root (h_last [B, E], logits_last [B, Vd]).
     pen_rows: penalty rows of the batch (counts including the root) to draft from penalised logits.
     forced: [B, S] int32 grammar drafts of the first levels (grammar_levels; -1: the draft's own
-    choice), fed to the draft like its own tokens. Returns (Tree, draft_probs [B, N, V] or None, kv)."""
+    choice), fed to the draft like its own tokens. dfa: (device_dfa.DFAView, the roots' states [B])
+    of a draft sharing the target's vocabulary: the draft drafts from its logits masked by each
+    frontier node's DFA state (the proposals q of a sampled chain are those masked laws, so
+    verification stays exact). Returns (Tree, draft_probs [B, N, V] or None, kv)."""
     S, k = spec.num_steps, spec.topk
     B = root.shape[0]
     V = target.embed[...].shape[0]
@@ -236,6 +247,9 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
     if pen_rows is not None:
         logits_last = pen_lib.apply(logits_last, pen_rows)
     lp = jax.nn.log_softmax(logits_last, axis=-1)[:, None]  # [B, 1, Vd]
+    if dfa is not None:
+        dv, fstate = dfa[0], dfa[1][:, None]  # [B, F] DFA states of the frontier nodes
+        lp = dfa_lib.mask_logits(lp, dv, fstate)
     path = jnp.zeros((B, 1, 0), jnp.int32)  # target tokens below the root on the frontier's paths
     st_tok, st_score, st_par, qs = [], [], [], []
     fr = jnp.zeros((B, 1), jnp.int32)  # frontier: indices into the previous step's candidates
@@ -248,6 +262,8 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
         tok = drafter.to_target(info, draft, tok)
         if forced is not None:
             tok, sc, q = _force(spec, s, forced, tok, sc, q)
+        if dfa is not None:  # [B, F*k] the candidates' states
+            cstate = dfa_lib.step_states(dv, jnp.take_along_axis(fstate, local, axis=1), tok)
         if spec.is_chain:
             qs.append(q)
         st_tok.append(tok)
@@ -271,6 +287,9 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
         if pen_rows is not None:
             lg = pen_lib.apply(lg, pen_rows, path)
         lp = jax.nn.log_softmax(lg, axis=-1)
+        if dfa is not None:
+            fstate = jnp.take_along_axis(cstate, fr, axis=1)  # [B, k]
+            lp = dfa_lib.mask_logits(lp, dv, fstate)
     if spec.is_chain:
         tree = tree_lib.chain_tree(root, jnp.concatenate(st_tok, axis=1))
         probs = None
@@ -356,9 +375,11 @@ def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state
     forced = None
     if grammar_drafts is not None:
         forced = grammar_levels(grammar_drafts, jnp.zeros_like(out.tokens), out.tokens, spec.num_steps)
+    roots = None if v is None else tables.state[jnp.clip(rows.slots, 0, max_slots - 1)]  # after the first token
     tree, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act * final, out.tokens, rows.start + rows.lens,
                              Ld, h_last, lg_last, samp, stochastic and state.draft_probs is not None,
-                             _draft_rows(info, pen, rows.slots), forced)
+                             _draft_rows(info, pen, rows.slots), forced,
+                             _draft_dfa(info, state, jnp.clip(rows.slots, 0, max_slots - 1), roots))
     draft_seq_lens = state.draft_seq_lens.at[rows.slots].set(Ld, mode="drop")
     return out, _store(state, fin, tree, probs, dkv, draft_seq_lens, cache, pen, dfa=tables)
 
@@ -549,7 +570,8 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
     pt, ps = state.cache.page_table[rs], state.cache.page_size
     nxt, probs, dkv = _grow(info, spec, draft, target, new.draft_kv, pt, ps, active.astype(jnp.int32), acc.bonus, L2,
                             state.draft_seq_lens[rs] + n, h_last, lg_last, samp,
-                            stochastic and state.draft_probs is not None, _draft_rows(info, new.penalties, rs), forced)
+                            stochastic and state.draft_probs is not None, _draft_rows(info, new.penalties, rs), forced,
+                            _draft_dfa(info, state, rs, acc.dfa_state))
     return _store(new, upd, nxt, probs, dkv, new.draft_seq_lens, new.cache)
 
 

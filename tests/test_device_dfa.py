@@ -13,6 +13,7 @@ random model of tests/test_grammar_engine.py (97 single-character tokens that xg
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -45,7 +46,8 @@ REGEXES = [r"[a-f]{2,5}(-[0-9]{1,3})?", r"(yes|no)!", r"\d{1,3}(\.\d+)?", r"[A-Z
 MIXED = [dict(regex=REGEXES[0]), dict(choice=["red", "green", "blue"]), {}, dict(regex=REGEXES[1]),
          dict(json_schema={"type": "array", "items": {"type": "boolean"}, "maxItems": 3}), dict(regex=REGEXES[2]),
          dict(regex=REGEXES[3]), {}]
-DRAFTS = {"plain": None, "chain": ("other", 3, 1, 3), "tree": ("other", 3, 2, 5)}
+DRAFTS = {"plain": None, "chain": ("other", 3, 1, 3), "tree": ("other", 3, 2, 5), "self": ("self", 3, 1, 3)}
+FORCED = r"KEY-fixed-text-then-more-fixed-text;[\s\S]*"  # a long fixed run, then anything
 
 
 def char_info():
@@ -172,8 +174,9 @@ def engine(world, which, sched):
     if which not in cache:
         d = None
         if draft is not None:
-            _, k, topk, m = draft
-            d = Draft(other, dcfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=k, topk=topk,
+            who, k, topk, m = draft
+            model, mcfg = (target, cfg) if who == "self" else (other, dcfg)
+            d = Draft(model, mcfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=k, topk=topk,
                                                                   num_draft_tokens=m))
         cache[which] = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ),
                               BatchOptions(max_batch=4, steps_per_call=4), jnp.float32, draft=d, grammar=compiler)
@@ -183,6 +186,7 @@ def engine(world, which, sched):
 
 
 def run(eng, prompts, constraints, max_tokens=40, **kw):
+    kw.setdefault("temperature", 0.0)
     reqs = [Request(i, None, p, SamplingParams(max_tokens=max_tokens, **c, **kw), CharTokenizer(), (EOS,), MAX_SEQ, 3)
             for i, (p, c) in enumerate(zip(prompts, constraints))]
     eng.run(reqs)
@@ -210,12 +214,14 @@ def check_regex_outputs(reqs, constraints):
             assert re.fullmatch(pattern, r.output().text), r.output().text
 
 
-@pytest.mark.parametrize("which", list(DRAFTS))
-@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("which,temperature", [("plain", 0.0), ("plain", 0.9), ("tree", 0.0), ("chain", 0.9)],
+                         ids=["plain-greedy", "plain-sampled", "tree-greedy", "chain-sampled"])
 def test_device_dfa_equals_host_path(world, which, temperature):
     """A batch mixing DFA, JSON-schema (host) and unconstrained rows: the device DFA's outputs are
-    the host path's, token for token, greedy and sampled (same keys, same masked distributions);
-    the regex rows go to the device (counted), the schema row to the host."""
+    the host path's, token for token, greedy, and sampled in plain decoding (same keys, same masked
+    distributions); speculative sampling drafts under the DFA masks (other proposals, so other
+    draws of the same law): there the rows without a DFA are the same and the DFA rows valid. The
+    regex rows go to the device (counted), the schema row to the host."""
     prompts = world[5]
     kw = dict(temperature=temperature, top_p=0.9 if temperature else 1.0)
     eng = engine(world, which, SchedulerOptions(device_dfa=False))
@@ -224,7 +230,11 @@ def test_device_dfa_equals_host_path(world, which, temperature):
     before = eng.stats()
     eng.opts = SchedulerOptions()
     dev = run(eng, prompts, MIXED, **kw)
-    assert outputs(dev) == outputs(host)
+    if temperature == 0.0 or which == "plain":
+        assert outputs(dev) == outputs(host)
+    else:
+        assert [o for o, r in zip(outputs(dev), dev) if r.dfa is None] == \
+            [o for o, r in zip(outputs(host), dev) if r.dfa is None]
     after = eng.stats()
     assert after["dfa_requests"] - before["dfa_requests"] == 5
     assert after["host_grammar_requests"] - before["host_grammar_requests"] == 1
@@ -253,6 +263,50 @@ def test_dfa_batches_run_several_steps_per_dispatch(world, which):
     steps = after[f"{kind}_dispatch_steps"] - before[f"{kind}_dispatch_steps"]
     assert steps > dispatches, (steps, dispatches)
     assert after["host_masks_s"] == before["host_masks_s"]  # no host mask work at all
+    if which == "tree":  # lite steps (plain steps keeping the draft in sync) follow the DFA too
+        opts = eng.batch_opts
+        eng.batch_opts = dataclasses.replace(opts, speculate_below=2)
+        try:
+            lite = run(eng, prompts, cons, max_tokens=24)
+        finally:
+            eng.batch_opts = opts
+        assert outputs(lite) == outputs(host) and eng.stats()["lite_dispatches"] > after["lite_dispatches"]
+
+
+def test_drafts_follow_the_dfa(world):
+    """The target as its own draft (a chain), drafting under the DFA masks: where the regex fixes the
+    text the masked draft proposes it, and in the free tail it is the target: every step of the
+    FORCED row accepts num_steps + 1 tokens (the host path needs grammar drafts for that); the
+    tokens are plain decoding's under the same regex."""
+    prompts = world[5][:2]
+    cons = [dict(regex=FORCED), dict(choice=["xabcd-first", "xabce-second", "yz"])]
+    plain = run(engine(world, "plain", SchedulerOptions()), prompts, cons, max_tokens=40)
+    eng = engine(world, "self", SchedulerOptions())
+    spec = run(eng, prompts, cons, max_tokens=40)
+    assert outputs(spec) == outputs(plain)
+    assert all(r.constraint_path == "device_dfa" for r in spec)
+    assert spec[0].output().accept_len_mean == 4 and spec[1].output().accept_len_mean == 4
+
+
+def test_preemption_resumes_the_dfa_state(world):
+    """39 pages of 4 tokens only: DFA requests are retracted and prefilled again with their generated
+    tokens; their DFA state is the walk of those tokens (written at re-admission): the tokens are the
+    host path's."""
+    prompts = world[5][:4]
+    cons = [dict(regex=r"[a-z ]{20,60}"), dict(regex=r"[A-Z0-9]{10,50}"), dict(regex=r"[a-f]{30,60}"), {}]
+    eng = engine(world, "plain", SchedulerOptions(device_dfa=False))
+    host = run(eng, prompts, cons, max_tokens=60)
+    eng.opts = SchedulerOptions()
+    alloc, before = eng.alloc, eng.num_preempted
+    alloc.evict_all()  # the prefix cache forgets its pages: all are on the free list
+    kept, alloc.free = alloc.free[:-39], alloc.free[-39:]
+    try:
+        dev = run(eng, prompts, cons, max_tokens=60)
+    finally:
+        alloc.free = kept + alloc.free
+    assert eng.num_preempted > before
+    assert outputs(dev) == outputs(host)
+    check_regex_outputs(dev, cons)
 
 
 def test_slots_reused_after_dfa_requests(world):
