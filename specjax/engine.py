@@ -29,7 +29,10 @@ so all make the same decisions and dispatch the same programs.
 
 Batches with grammar-constrained rows: specjax.engine_grammar (one step per dispatch, the masks and
 grammar drafts computed on the host while the target forward runs; a grammar that raises fails only
-its request). Host time per phase: `Engine.stats()` (specjax.host_timing).
+its request). Regex / choice constraints run on the device instead where they compile to a token DFA
+within the limits (specjax.engine_dfa, specjax.device_dfa): such rows need no host work per token
+and their batches run the multi-step programs. Host time per phase: `Engine.stats()`
+(specjax.host_timing).
 """
 from __future__ import annotations
 
@@ -358,7 +361,7 @@ class Engine(GrammarSteps, DFASteps):
             self.replica.add(req)
         if not req.finished:
             why = self.sched.never_fits(req)
-            if why is None and req.params.constraint is not None and req.grammar is None:
+            if why is None and req.params.constraint is not None and req.constraint_path is None:
                 why = self._attach_constraint(req)  # device DFA or host grammar (specjax.engine_dfa)
             if why is None:
                 self.sched.add(req)

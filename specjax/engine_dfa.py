@@ -4,8 +4,10 @@ device (specjax.device_dfa), so their rows need no host grammar work per token.
 `DFASteps` is a base class of specjax.engine.Engine, on the engine's own state:
 
 * `_attach_constraint` (add_request): with SchedulerOptions(device_dfa=True) (the default) a regex or
-  choice constraint is compiled to a token DFA within the static limits (specjax.dfa_routing); the
-  request then carries it (`Request.dfa`, `constraint_path` "device_dfa") and no matcher: its batches
+  choice constraint is compiled to a token DFA within the static limits (specjax.dfa_routing; cached
+  per constraint, on the engine's thread; a matcher attached by the caller, as specjax.async_llm
+  does after validating the constraint in its time-bounded worker, is then dropped); the request
+  then carries the DFA (`Request.dfa`, `constraint_path` "device_dfa") and no matcher: its batches
   run the unconstrained programs (several steps per dispatch) with the static flag `dfa`. Otherwise
   it takes the host grammar path (specjax.engine_grammar; `constraint_path` "host_grammar"); a
   regex / choice that could not go to the device says why (`Request.dfa_fallback`, logged) and is
@@ -61,15 +63,15 @@ class DFASteps:
             eos = tuple(req.eos_ids) or tuple(int(t) for t in info.stop_token_ids)
             dfa, why = self._dfa_router.route(req.params.constraint, info, eos, self.opts.dfa_max_states,
                                               self.opts.dfa_max_classes)
-            if dfa is not None:
-                req.dfa, req.constraint_path = dfa, "device_dfa"
+            if dfa is not None:  # a matcher the caller attached (AsyncLLM's bounded compiler) is dropped
+                req.dfa, req.grammar, req.constraint_path = dfa, None, "device_dfa"
                 req.stop_ids = req.stop_ids | set(dfa.eos_ids)  # the DFA's end, as the grammar's ends the host path
                 counts["dfa_requests"] += 1
                 return None
             req.dfa_fallback = why
             counts["dfa_fallbacks"] += 1
             log.info("request %s: %s constraint on the host grammar path: %s", req.id, kind, why)
-        why = self._attach_grammar(req)
+        why = None if req.grammar is not None else self._attach_grammar(req)  # (a caller's matcher kept)
         if why is None:
             req.constraint_path = "host_grammar"
             counts["host_grammar_requests"] += 1

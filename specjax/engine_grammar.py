@@ -5,6 +5,10 @@ state (scheduler, device state, programs, options, pending outputs); the engine 
 step (`_constrained_step`), its prefill (`_prefill_grammar`), its reference-order dispatch
 (`_step_grammar`) and `add_request` (`_attach_grammar`).
 
+Rows whose regex / choice constraint runs on the device DFA (specjax.engine_dfa) are no grammar
+rows here: like unconstrained rows they need no host work; the programs mask them by their DFA
+state (the static flag `dfa`, set by Engine._flags).
+
 Batches with grammar-constrained rows need step t's tokens (and next tree) before step t+1's masks.
 Overlap (SchedulerOptions(overlap=True), the default) hides that behind the target forward:
 

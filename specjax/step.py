@@ -61,6 +61,14 @@ proposal in draft_probs the one-hot), or a tree level's only candidate (candidat
 other candidates of the level are displaced to score -1e30). The draft is fed them as its own
 tokens, so later levels continue from them. Point-mass proposals keep verification exact.
 
+Device DFAs (SpecState.dfa, specjax.device_dfa; the static flag `dfa` of a dispatch with a DFA
+row): the state after the root is the slot's; the state at each tree node follows its path, the
+target's logits after each node are masked by it before acceptance (lossless: the masked target is
+what constrained plain decoding samples from), and the slot's new state is the accepted node's,
+stepped by the bonus token. The draft (sharing the target's vocabulary) drafts from its logits
+masked by each frontier node's state: a sampled chain's proposal is that masked law, so the rule
+stays exact, and where the regex fixes the text the draft proposes it.
+
 Penalties (SpecState.penalties set; specjax.penalties): acceptance sees the target's logits after
 each node penalised with the slot's counts plus the tokens on the node's path, i.e. exactly what
 plain decoding would sample from, so speculation stays lossless; the emitted tokens are counted

@@ -114,12 +114,13 @@ def _masked_law(logits, allowed, temperature):
     return p / p.sum()
 
 
-@pytest.mark.parametrize("how", ["sample", "tree"])
+@pytest.mark.parametrize("how", ["sample", "tree", "chain"])
 def test_masked_sampling_is_the_renormalised_law(how):
-    """N rows in one DFA state (10 allowed tokens of 97): plain sampling from the masked logits, and
-    tree verification of a point-mass tree whose root children are one allowed and one forbidden
-    token (node states from tree_states), emit the renormalised masked distribution (chi-square),
-    never a forbidden token."""
+    """N rows in one DFA state (11 allowed tokens of 97): plain sampling from the masked logits; tree
+    verification of a point-mass tree whose root children are one allowed and one forbidden token
+    (node states from tree_states); and of a chain whose child is drawn from a draft law masked by
+    the same state (the proposal draft_probs): each emits the renormalised masked distribution
+    (chi-square), never a forbidden token."""
     N, temp = 20000, 0.8
     td = token_dfa(r"[0-9]+")
     cls, nxt = DeviceDFA(td, (EOS,)).padded(8, 8)
@@ -137,7 +138,7 @@ def test_masked_sampling_is_the_renormalised_law(how):
     pos = jnp.asarray(np.arange(N) % 100, jnp.int32)
     if how == "sample":
         got = sampling.sample(dfa_lib.mask_logits(jnp.tile(jnp.asarray(logits), (N, 1)), v), samp, pos, True)
-    else:
+    elif how == "tree":
         d7, x = VOCAB.index("3"), VOCAB.index("x")  # an allowed and a forbidden draft token
         tokens = jnp.tile(jnp.array([[0, x, d7]], jnp.int32), (N, 1))
         parents = jnp.tile(jnp.array([[-1, 0, 0]], jnp.int32), (N, 1))
@@ -148,6 +149,18 @@ def test_masked_sampling_is_the_renormalised_law(how):
         first = jnp.where(n > 1, tokens[jnp.arange(N), idx[:, 1]], bonus)
         got = first
         assert not np.any(np.asarray(idx[:, 1]) == 1), "the forbidden draft token was accepted"
+    if how == "chain":
+        q = _masked_law(rng.normal(size=97).astype(np.float32) * 2, allowed, 1.0)  # the masked draft law
+        child = rng.choice(97, size=N, p=q)
+        tokens = jnp.asarray(np.stack([np.zeros(N, np.int64), child], 1), jnp.int32)
+        parents = jnp.tile(jnp.array([[-1, 0]], jnp.int32), (N, 1))
+        states = dfa_lib.tree_states(v, tokens, parents)
+        tgt = dfa_lib.mask_logits(jnp.tile(jnp.asarray(logits), (N, 2, 1)), v, states)
+        tree = make_tree(tokens, parents, jnp.tile(jnp.array([[0, 1]], jnp.int32), (N, 1)), 1)
+        probs = jnp.tile(jnp.asarray(np.stack([np.zeros(97), q]), jnp.float32)[None], (N, 1, 1))
+        idx, n, bonus = verify_tree(tree, tgt, samp, pos, draft_probs=probs)
+        got = jnp.where(n > 1, tokens[:, 1], bonus)
+        assert 0.2 < float(jnp.mean(n > 1)) < 1.0  # the rule ran: some drafts accepted, some not
     counts = np.bincount(np.asarray(got), minlength=97)
     assert counts[~allowed].sum() == 0
     assert _chi2(counts, law) > 1e-3
