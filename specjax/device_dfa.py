@@ -119,9 +119,7 @@ def mask_logits(logits, v: DFAView | None, states=None):
     flat = states.reshape(B, -1)  # [B, K]
     S = v.next.shape[1]
     rows = jnp.arange(B)[:, None]
-    nrow = v.next[rows, jnp.clip(flat, 0, S - 1)]  # [B, K, C]
-    cls = jnp.broadcast_to(v.cls.astype(jnp.int32)[:, None, :], (B, flat.shape[1], V))  # [B, K, V]
-    allowed = jnp.take_along_axis(nrow, cls, axis=2) >= 0  # [B, K, V]
-    allowed = allowed | (flat < 0)[:, :, None]
+    ok = (v.next[rows, jnp.clip(flat, 0, S - 1)] >= 0) | (flat < 0)[:, :, None]  # [B, K, C] allowed classes
+    allowed = jnp.take_along_axis(ok, v.cls.astype(jnp.int32)[:, None, :], axis=2)  # [B, K, V] (index broadcast)
     allowed = allowed.reshape((B,) + mid + (V,))
     return jnp.where(allowed, logits, jnp.asarray(-jnp.inf, logits.dtype))

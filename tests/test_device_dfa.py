@@ -17,7 +17,6 @@ import dataclasses
 import math
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
