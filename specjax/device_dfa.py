@@ -45,9 +45,11 @@ class DFATables:
 
 
 class DFAView(NamedTuple):
-    """The tables of a batch's rows: cls [B, V], next [B, S_max, C_max], state [B] (read by slot)."""
+    """A batch's rows of the tables: the tables (cls [M, V], next [M, S_max, C_max]), read through the
+    rows' slots [B] (clamped) where needed (no [B, S_max, C_max] copy), and the rows' states [B]."""
     cls: jax.Array
     next: jax.Array
+    slots: jax.Array
     state: jax.Array
 
 
@@ -73,7 +75,7 @@ def admit(tables: DFATables, slots, cls, nxt, start) -> DFATables:
 
 def view(tables: DFATables, read_slots) -> DFAView:
     """The rows read_slots [B] (clamped by the caller) of the tables."""
-    return DFAView(tables.cls[read_slots], tables.next[read_slots], tables.state[read_slots])
+    return DFAView(tables.cls, tables.next, read_slots, tables.state[read_slots])
 
 
 def step_states(v: DFAView, states, tokens):
@@ -81,10 +83,9 @@ def step_states(v: DFAView, states, tokens):
     state is -1 or the token is not allowed."""
     B = states.shape[0]
     flat_s, flat_t = states.reshape(B, -1), tokens.reshape(B, -1)
-    c = jnp.take_along_axis(v.cls, jnp.clip(flat_t, 0, v.cls.shape[1] - 1), axis=1).astype(jnp.int32)  # [B, K]
-    S = v.next.shape[1]
-    rows = jnp.arange(B)[:, None]
-    nxt = v.next[rows, jnp.clip(flat_s, 0, S - 1), c]  # [B, K]
+    rows = v.slots[:, None]
+    c = v.cls[rows, jnp.clip(flat_t, 0, v.cls.shape[1] - 1)].astype(jnp.int32)  # [B, K]
+    nxt = v.next[rows, jnp.clip(flat_s, 0, v.next.shape[1] - 1), c]  # [B, K]
     return jnp.where(flat_s >= 0, nxt, -1).reshape(states.shape)
 
 
@@ -117,9 +118,8 @@ def mask_logits(logits, v: DFAView | None, states=None):
     B, V = logits.shape[0], logits.shape[-1]
     mid = states.shape[1:]
     flat = states.reshape(B, -1)  # [B, K]
-    S = v.next.shape[1]
-    rows = jnp.arange(B)[:, None]
-    ok = (v.next[rows, jnp.clip(flat, 0, S - 1)] >= 0) | (flat < 0)[:, :, None]  # [B, K, C] allowed classes
-    allowed = jnp.take_along_axis(ok, v.cls.astype(jnp.int32)[:, None, :], axis=2)  # [B, K, V] (index broadcast)
+    ok = (v.next[v.slots[:, None], jnp.clip(flat, 0, v.next.shape[1] - 1)] >= 0) | (flat < 0)[:, :, None]  # [B, K, C]
+    cls = v.cls[v.slots].astype(jnp.int32)  # [B, V]
+    allowed = jnp.take_along_axis(ok, cls[:, None, :], axis=2)  # [B, K, V] (index broadcast)
     allowed = allowed.reshape((B,) + mid + (V,))
     return jnp.where(allowed, logits, jnp.asarray(-jnp.inf, logits.dtype))

@@ -25,6 +25,8 @@ class RequestOutput:
     accept_len_mean: float | None = None  # speculative decoding: mean tokens emitted per step
     error: str | None = None  # why the request failed (finish_reason "error")
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first admission)
+    constraint_path: str | None = None  # a constrained request: "device_dfa" or "host_grammar" (specjax.engine_dfa)
+    dfa_fallback: str | None = None  # why a regex / choice constraint did not run on the device DFA
 
 
 class Request:
@@ -213,4 +215,5 @@ class Request:
         self.text = self.final_text()
         mean = sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else None
         return RequestOutput(self.id, self.prompt, self.prompt_ids, self.text, list(self.token_ids),
-                             self.finish_reason, self.logprobs, mean, self.error, self.num_cached_tokens)
+                             self.finish_reason, self.logprobs, mean, self.error, self.num_cached_tokens,
+                             self.constraint_path, self.dfa_fallback)

@@ -350,6 +350,8 @@ def test_limits_unsupported_and_invalid(world):
         assert outputs(reqs) == outputs(host)
         assert eng.stats()["dfa_fallbacks"] - before == 4 - n_dfa
         assert reqs[1].constraint_path == "host_grammar" and "not supported" in reqs[1].dfa_fallback
+        out = reqs[1].output()  # what the caller sees
+        assert out.constraint_path == "host_grammar" and out.dfa_fallback == reqs[1].dfa_fallback
         assert "dfa_max" in reqs[0].dfa_fallback
         assert sum(r.constraint_path == "device_dfa" for r in reqs) == n_dfa
         assert reqs[2].finish_reason == "error" and reqs[2].output().error == host[2].output().error
