@@ -105,12 +105,12 @@ clear_dfa = jax.jit(_clear_dfa, donate_argnums=(0,))  # (state, slots) -> state
 
 
 class PlainPrograms(NamedTuple):
-    prefill: Callable  # (w, state, samp_all, rows: PrefillRows, samp, mask, *, want_logprobs, stochastic)
+    prefill: Callable  # (w, state, samp_all, rows: PrefillRows, samp, mask, *, want_logprobs, stochastic, dfa)
     #                    -> (StepOut, None, state, samp_all)
-    decode_many: Callable  # (w, state, samp_all, slots, active, mask, *, num_steps, want_logprobs, stochastic)
-    #                        -> (StepOut with [K, B] fields, None, state); a mask needs num_steps == 1
+    decode_many: Callable  # (w, state, samp_all, slots, active, mask, *, num_steps, want_logprobs, stochastic,
+    #                        dfa) -> (StepOut with [K, B] fields, None, state); a mask needs num_steps == 1
     forward: Callable  # (w, state, slots, active) -> (logits [B, V], state): decode_many(num_steps=1) = forward
-    sample: Callable  # (state, logits, samp_all, slots, active, mask, *, want_logprobs, stochastic)
+    sample: Callable  # (state, logits, samp_all, slots, active, mask, *, want_logprobs, stochastic, dfa)
     #                   -> (StepOut with [1, B] fields, None, state)          ... then sample (grammar overlap)
 
 
