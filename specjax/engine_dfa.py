@@ -55,11 +55,12 @@ class DFASteps:
         kind = req.params.constraint[0]
         if self.opts.device_dfa and kind in DFA_KINDS:
             why = self._ensure_compiler()
-            if why is not None:
+            if why is not None and req.grammar is None:
                 return why
             if self._dfa_router is None:
                 self._dfa_router = DFARouter(self.cfg.vocab_size)
-            info = self._grammar.tokenizer_info
+            # the vocabulary: the engine's compiler's, or that of the matcher the caller attached
+            info = self._grammar.tokenizer_info if why is None else req.grammar.tokenizer_info
             eos = tuple(req.eos_ids) or tuple(int(t) for t in info.stop_token_ids)
             dfa, why = self._dfa_router.route(req.params.constraint, info, eos, self.opts.dfa_max_states,
                                               self.opts.dfa_max_classes)

@@ -357,6 +357,17 @@ def test_limits_unsupported_and_invalid(world):
         assert "dfa_max" in reqs[0].dfa_fallback
         assert sum(r.constraint_path == "device_dfa" for r in reqs) == n_dfa
         assert reqs[2].finish_reason == "error" and reqs[2].output().error == host[2].output().error
+    # a matcher attached by the caller (AsyncLLM validates constraints in its bounded worker) is
+    # replaced by the device DFA where the constraint fits, kept where it does not
+    eng.opts = SchedulerOptions(dfa_max_states=states)
+    reqs = [Request(i, None, p, SamplingParams(max_tokens=40, temperature=0.0, **c), CharTokenizer(), (EOS,), MAX_SEQ, 3)
+            for i, (p, c) in enumerate(zip(prompts, cons)) if i != 2]
+    for r in reqs:
+        r.grammar = world[4].matcher(r.params.constraint, [EOS])
+    eng.run(reqs)
+    assert [r.constraint_path for r in reqs] == ["host_grammar", "host_grammar", "device_dfa"]
+    assert reqs[2].grammar is None and reqs[0].grammar is not None
+    assert outputs(reqs) == [o for i, o in enumerate(outputs(host)) if i != 2]
 
 
 @pytest.mark.parametrize("which", ["plain", "tree"])
