@@ -27,7 +27,8 @@ the schema fixes drafted by the host: specjax.grammar_drafts) and without ("no-d
 decoding with a grammar runs one token per step (forward | sample, the masks computed while the
 forward runs; "no-overlap": masks first). Goals checked: bubble <= 2% for the unconstrained async
 scenarios and <= 5% with grammars (overlap); the permissive regex >= 0.95x the unconstrained
-tokens/s, speculative and plain; JSON tau (accepted tokens per step) >= 0.8x the unconstrained tau.
+tokens/s, speculative and plain, on the host grammar path ("any") and on the device DFA
+("any dfa": SchedulerOptions(device_dfa=True), the default; no host work per token); JSON tau (accepted tokens per step) >= 0.8x the unconstrained tau.
 
     python scripts/bench_engine.py                      # SmolLM2 with its shipped EAGLE-3 head
     python scripts/bench_engine.py --draft self --batch 1,32 --max-tokens 256 --json out.jsonl
@@ -75,7 +76,8 @@ GRAMMARS = {None: {}, "any": {"regex": r"[\s\S]*"}, "json": {"json_schema": JSON
 TOPICS = ["a lighthouse keeper", "a robot chef", "a lost city", "the first moon base", "a chess prodigy",
           "a haunted library", "a desert caravan", "an ocean research ship"]
 ASYNC, SYNC = SchedulerOptions(), SchedulerOptions(async_loop=False)
-NO_OVERLAP = SchedulerOptions(overlap=False)
+HOST = SchedulerOptions(device_dfa=False)  # regexes on the host grammar path (xgrammar), as before device DFAs
+NO_OVERLAP = SchedulerOptions(overlap=False, device_dfa=False)
 NO_DRAFTS = SchedulerOptions(grammar_drafts=False)  # the trees are the draft's alone (specjax.grammar_drafts)
 PHASES = ("read", "accept", "masks", "drafts", "dispatch")
 
@@ -222,10 +224,11 @@ def main(argv=None) -> int:
               "device time and bubble are not meaningful here (GPU figures only)", flush=True)
     llm = LLM(a.model, dtype=a.dtype, max_batch=max(batches), max_seq_len=a.max_seq_len, draft=draft, spec=spec,
               attention=a.attention, speculate_below=a.speculate_below)
-    plans = [("spec fused", None, ASYNC), ("spec fused sync", None, SYNC), ("spec any overlap", "any", ASYNC),
-             ("spec any no-overlap", "any", NO_OVERLAP), ("spec json overlap", "json", ASYNC),
+    plans = [("spec fused", None, ASYNC), ("spec fused sync", None, SYNC), ("spec any overlap", "any", HOST),
+             ("spec any no-overlap", "any", NO_OVERLAP), ("spec any dfa", "any", ASYNC), ("spec json overlap", "json", ASYNC),
              ("spec json no-drafts", "json", NO_DRAFTS), ("spec json no-overlap", "json", NO_OVERLAP)]
-    plain = [("plain", None, ASYNC), ("plain any", "any", ASYNC), ("plain any no-overlap", "any", NO_OVERLAP),
+    plain = [("plain", None, ASYNC), ("plain any", "any", HOST), ("plain any no-overlap", "any", NO_OVERLAP),
+             ("plain any dfa", "any", ASYNC),
              ("plain json", "json", ASYNC)]
     if a.scenarios:
         wanted = a.scenarios.split(",")
@@ -277,7 +280,8 @@ def main(argv=None) -> int:
             good = b <= limit  # NaN (no steady step) fails
             ok &= good
             print(f"goal B={B} {name}: bubble {100 * b:.1f}% <= {100 * limit:.0f}%: {'PASS' if good else 'FAIL'}")
-        for name, base in (("spec any overlap", "spec fused"), ("plain any", "plain")):
+        for name, base in (("spec any overlap", "spec fused"), ("plain any", "plain"), ("spec any dfa", "spec fused"),
+                           ("plain any dfa", "plain")):
             if name not in by or base not in by:
                 continue
             ratio = by[name]["tok_s"] / by[base]["tok_s"]

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax import device_dfa as dfa_lib
 from specjax import penalties as pen_lib
 from specjax import sampling
 from specjax.kv_cache import KVCache, meta_at, step_meta
@@ -39,6 +40,7 @@ class DecodeState:
     cache: KVCache
     last_tokens: jax.Array  # [max_slots] int32: last sampled token of each slot
     penalties: PenaltyState | None = None  # None: no penalties (compiled out)
+    dfa: dfa_lib.DFATables | None = None  # per-slot regex DFAs (specjax.device_dfa); None: none admitted yet
 
 
 @jax.tree_util.register_dataclass
@@ -68,16 +70,18 @@ class StepOut:
     top_ids: jax.Array | None = None  # [B, K] int32
 
 
-def _finish(model, h_last, samp, positions, want_logprobs, stochastic, pen_rows=None, token_mask=None):
+def _finish(model, h_last, samp, positions, want_logprobs, stochastic, pen_rows=None, token_mask=None,
+            dfa_view=None):
     logits = model.logits(h_last[:, None, :])[:, 0]  # [B, V] float32
-    return _sample(logits, samp, positions, want_logprobs, stochastic, pen_rows, token_mask)
+    return _sample(logits, samp, positions, want_logprobs, stochastic, pen_rows, token_mask, dfa_view)
 
 
-def _sample(logits, samp, positions, want_logprobs, stochastic, pen_rows=None, token_mask=None):
+def _sample(logits, samp, positions, want_logprobs, stochastic, pen_rows=None, token_mask=None, dfa_view=None):
     """Sample from logits [B, V] (penalised, then grammar-masked: token_mask a token_mask.RowMasks,
-    a dense [B, W] bitmask or None)."""
+    a dense [B, W] bitmask or None; dfa_view: the rows' device DFAs, device_dfa.DFAView or None)."""
     sample_from = logits if pen_rows is None else pen_lib.apply(logits, pen_rows)
     sample_from = apply_token_mask(sample_from, token_mask)
+    sample_from = dfa_lib.mask_logits(sample_from, dfa_view)
     tokens = sampling.sample(sample_from, samp, positions, stochastic)
     if not want_logprobs:  # logprobs: of the raw model distribution
         return StepOut(tokens)
@@ -104,12 +108,13 @@ def count_first(pen: PenaltyState | None, slots, lens, first_tokens) -> PenaltyS
 
 
 def target_prefill(model, cache: KVCache, rows: PrefillRows, samp, want_logprobs, stochastic,
-                   aux_layers: tuple[int, ...] = (), pen: PenaltyState | None = None, token_mask=None):
+                   aux_layers: tuple[int, ...] = (), pen: PenaltyState | None = None, token_mask=None,
+                   dfa_view=None):
     """Prefill pieces into the target and sample after each row's last new token (shared by the
     plain and the speculative paths; only final rows' samples are used). pen: the penalty state
     (the slots already reset, prefill_penalties) or None; the caller counts the sampled token
-    (count_first). Returns (StepOut, h [B, T, E], aux hidden states, cache with the slots' lengths
-    set to start + lens)."""
+    (count_first). dfa_view: the rows' device DFAs (their states after the prompt) or None.
+    Returns (StepOut, h [B, T, E], aux hidden states, cache with the slots' lengths set to start + lens)."""
     B, T = rows.tokens.shape
     safe_slots = jnp.clip(rows.slots, 0, cache.seq_lens.shape[0] - 1)
     meta = meta_at(cache.page_table[safe_slots], rows.start, rows.lens, T, cache.page_size)
@@ -118,7 +123,8 @@ def target_prefill(model, cache: KVCache, rows: PrefillRows, samp, want_logprobs
     last = jnp.clip(rows.lens - 1, 0, T - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, E]
     pen_rows = None if pen is None else pen_lib.rows(pen, safe_slots)
-    out = _finish(model, h_last, samp, rows.start + rows.lens, want_logprobs, stochastic, pen_rows, token_mask)
+    out = _finish(model, h_last, samp, rows.start + rows.lens, want_logprobs, stochastic, pen_rows, token_mask,
+                  dfa_view)
     cache = dataclasses.replace(cache, seq_lens=cache.seq_lens.at[rows.slots].set(rows.start + rows.lens, mode="drop"))
     return out, h, aux, cache
 
@@ -128,19 +134,37 @@ def final_slots(rows: PrefillRows, max_slots: int):
     return jnp.where(rows.final & (rows.lens > 0), rows.slots, max_slots)
 
 
+def prefill_dfa(state, rows: PrefillRows, dfa: bool):
+    """The prefill rows' device DFAs (DFAView; None: dfa off, the static flag)."""
+    if not dfa:
+        return None
+    return dfa_lib.view(state.dfa, jnp.clip(rows.slots, 0, state.dfa.state.shape[0] - 1))
+
+
+def prefill_dfa_advance(tables, view, fin, rows: PrefillRows, first_tokens):
+    """The tables with the final rows' states (slots fin [B], max_slots for the others) advanced by
+    their first sampled tokens [B] (tables unchanged when view is None)."""
+    if view is None:
+        return tables
+    new = dfa_lib.advance(view, first_tokens, rows.final & (rows.lens > 0))
+    return dataclasses.replace(tables, state=tables.state.at[fin].set(new, mode="drop"))
+
+
 def prefill_rows(graphdef, params, state: DecodeState, rows: PrefillRows, samp, want_logprobs=False,
-                 stochastic=True, token_mask=None):
-    """Prefill pieces (token_mask: optional [B, W] grammar bitmask of the first token). The
-    penalty state of the admitted slots must already be reset (prefill_penalties). Final rows
+                 stochastic=True, token_mask=None, dfa=False):
+    """Prefill pieces (token_mask: optional [B, W] grammar bitmask of the first token; dfa (static):
+    the rows' device DFAs mask the first token and advance). The penalty state and the DFA tables of
+    the admitted slots must already be written (prefill_penalties, device_dfa.admit). Final rows
     sample their first token. Returns (StepOut, state)."""
     model = nnx.merge(graphdef, params)
     pen = state.penalties
+    v = prefill_dfa(state, rows, dfa)
     out, _, _, cache = target_prefill(model, state.cache, rows, samp, want_logprobs, stochastic, pen=pen,
-                                      token_mask=token_mask)
+                                      token_mask=token_mask, dfa_view=v)
     fin = final_slots(rows, state.last_tokens.shape[0])
     pen = count_first(pen, fin, rows.lens, out.tokens)
     last_tokens = state.last_tokens.at[fin].set(out.tokens, mode="drop")
-    return out, DecodeState(cache, last_tokens, pen)
+    return out, DecodeState(cache, last_tokens, pen, prefill_dfa_advance(state.dfa, v, fin, rows, out.tokens))
 
 
 def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, want_logprobs=False,
@@ -157,7 +181,7 @@ def prefill(graphdef, params, state: DecodeState, tokens, lens, slots, samp, wan
 
 
 def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logprobs=False, stochastic=True,
-           token_mask=None):
+           token_mask=None, dfa=False):
     """One decode step for the rows `slots` [B]: feeds each slot's last token, appends its K/V,
     samples the next token (token_mask: optional grammar masks, see _sample). Inactive rows ([B]
     bool) write to the trash page and do not advance;
@@ -168,7 +192,8 @@ def decode(graphdef, params, state: DecodeState, slots, active, samp, want_logpr
     model = nnx.merge(graphdef, params)
     positions = state.cache.seq_lens[jnp.minimum(slots, state.cache.seq_lens.shape[0] - 1)]  # [B]
     logits, state = decode_forward(model, state, slots, active)
-    return decode_sample(state, logits, slots, active, samp, positions + 1, want_logprobs, stochastic, token_mask)
+    return decode_sample(state, logits, slots, active, samp, positions + 1, want_logprobs, stochastic, token_mask,
+                         dfa)
 
 
 def decode_forward(model, state: DecodeState, slots, active):
@@ -187,26 +212,33 @@ def decode_forward(model, state: DecodeState, slots, active):
 
 
 def decode_sample(state: DecodeState, logits, slots, active, samp, positions, want_logprobs=False, stochastic=True,
-                  token_mask=None):
+                  token_mask=None, dfa=False):
     """The sampling half of a decode step: the next token of each row from logits [B, V] (penalised,
-    grammar-masked; positions [B]: the sampled token's position, which keys the randomness), counted
-    in the penalty state and stored as the slot's last token. -> (StepOut, state)."""
+    grammar-masked, DFA-masked when the static flag dfa is on; positions [B]: the sampled token's
+    position, which keys the randomness), counted in the penalty state, stored as the slot's last
+    token, its DFA state advanced. -> (StepOut, state)."""
     read_slots = jnp.minimum(slots, state.last_tokens.shape[0] - 1)
     pen = state.penalties
     pen_rows = None if pen is None else pen_lib.rows(pen, read_slots)
-    out = _sample(logits, samp, positions, want_logprobs, stochastic, pen_rows, token_mask)
+    v = dfa_lib.view(state.dfa, read_slots) if dfa else None
+    out = _sample(logits, samp, positions, want_logprobs, stochastic, pen_rows, token_mask, v)
     last_tokens = state.last_tokens.at[slots].set(jnp.where(active, out.tokens, state.last_tokens[read_slots]),
                                                   mode="drop")
     if pen is not None:
         pen = pen_lib.add_tokens(pen, slots, out.tokens[:, None], active.astype(jnp.int32))
-    return out, DecodeState(state.cache, last_tokens, pen)
+    tables = state.dfa
+    if v is not None:
+        tables = dataclasses.replace(tables, state=tables.state.at[slots].set(dfa_lib.advance(v, out.tokens, active),
+                                                                               mode="drop"))
+    return out, DecodeState(state.cache, last_tokens, pen, tables)
 
 
 def decode_many(graphdef, params, state: DecodeState, slots, active, samp, num_steps: int,
-                want_logprobs=False, stochastic=True):
-    """num_steps decode steps in one program (one dispatch). -> (StepOut with [num_steps, B] fields, state)."""
+                want_logprobs=False, stochastic=True, dfa=False):
+    """num_steps decode steps in one program (one dispatch; dfa: the rows' device DFAs mask and
+    advance at every step). -> (StepOut with [num_steps, B] fields, state)."""
     def body(state, _):
-        out, state = decode(graphdef, params, state, slots, active, samp, want_logprobs, stochastic)
+        out, state = decode(graphdef, params, state, slots, active, samp, want_logprobs, stochastic, dfa=dfa)
         return state, out
     state, outs = jax.lax.scan(body, state, None, length=num_steps)
     return outs, state

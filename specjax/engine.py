@@ -29,7 +29,10 @@ so all make the same decisions and dispatch the same programs.
 
 Batches with grammar-constrained rows: specjax.engine_grammar (one step per dispatch, the masks and
 grammar drafts computed on the host while the target forward runs; a grammar that raises fails only
-its request). Host time per phase: `Engine.stats()` (specjax.host_timing).
+its request). Regex / choice constraints run on the device instead where they compile to a token DFA
+within the limits (specjax.engine_dfa, specjax.device_dfa): such rows need no host work per token
+and their batches run the multi-step programs. Host time per phase: `Engine.stats()`
+(specjax.host_timing).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from specjax import dispatch_plan
 from specjax.adaptive import AcceptanceGate, check_min_accept, check_probe_every
 from specjax import programs as prog
 from specjax.decode import PrefillRows
+from specjax.engine_dfa import DFASteps
 from specjax.engine_grammar import GrammarSteps
 from specjax.grammar_masks import MaskBuilder
 from specjax.host_timing import HostTimes
@@ -145,7 +149,7 @@ def _as_rows(kind: str, x) -> np.ndarray:
     return x[:, None] if kind == "prefill" else np.swapaxes(x, 0, 1)
 
 
-class Engine(GrammarSteps):
+class Engine(GrammarSteps, DFASteps):
     def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
                  draft: Draft | None = None, mesh=None, sched: SchedulerOptions | None = None, grammar=None,
                  kv_compact_impl: str = "auto", attention: str | attn_lib.AttnImpl = "auto"):
@@ -344,6 +348,7 @@ class Engine(GrammarSteps):
             **{f"{k}_dispatches": v for k, v in self.dispatches.items()},
             **{f"{k}_dispatch_steps": v for k, v in self.dispatched_steps.items()},
             **self.gate.stats(),  # lite dispatches chosen by the acceptance gate, its probes (specjax.adaptive)
+            **self._dfa_counts(),  # constrained requests by path: device DFA / host grammar, DFA fallbacks
         }
 
     def num_compiled(self) -> int:
@@ -358,8 +363,8 @@ class Engine(GrammarSteps):
             self.replica.add(req)
         if not req.finished:
             why = self.sched.never_fits(req)
-            if why is None and req.params.constraint is not None and req.grammar is None:
-                why = self._attach_grammar(req)
+            if why is None and req.params.constraint is not None and req.constraint_path is None:
+                why = self._attach_constraint(req)  # device DFA or host grammar (specjax.engine_dfa)
             if why is None:
                 self.sched.add(req)
                 return
@@ -456,7 +461,8 @@ class Engine(GrammarSteps):
         samplers = [r.params for r in reqs if r.params.temperature > 0]
         filters = any(p.top_p < 1.0 or (p.top_k or 0) > 0 for p in samplers)
         return dict(want_logprobs=any(r.logprobs is not None for r in reqs),
-                    stochastic=(True if filters else sampling.UNFILTERED) if samplers else False)
+                    stochastic=(True if filters else sampling.UNFILTERED) if samplers else False,
+                    dfa=any(r.dfa is not None for r in reqs))
 
     def _push(self, kind, out, trees, rows, advance, steps) -> _Dispatched:
         """rows: (batch row, slot, request) of the rows whose outputs the host reads; advance: cache
@@ -476,6 +482,10 @@ class Engine(GrammarSteps):
     # -- dispatch ---------------------------------------------------------------------------
     def _prefill(self, pieces: list[Piece]):
         self._push_page_table()
+        firsts = [pc for pc in pieces if pc.first]
+        if firsts:  # per-slot state first: a DFA that no longer fits the tables moves to the host path here
+            self._admit_slots(firsts)
+            self._admit_dfa([(pc.slot, pc.req) for pc in firsts])
         samplers = [(b, pc.req) for b, pc in enumerate(pieces) if pc.final]  # rows whose sample is used
         flags = self._flags([r for _, r in samplers])
         B, T = self._prefill_shape(len(pieces), max(p.end - p.start for p in pieces),
@@ -492,9 +502,6 @@ class Engine(GrammarSteps):
             next_ids[b] = 0 if pc.final else pc.ids[pc.end]
             p = pc.req.params
             samp.temperature[b], samp.top_p[b], samp.top_k[b], samp.seed[b] = p.temperature, p.top_p, p.top_k, pc.req.seed
-        firsts = [pc for pc in pieces if pc.first]
-        if firsts:
-            self._admit_slots(firsts)
         mask, drafts = self._prefill_grammar(samplers, B)  # the first token's masks (and grammar drafts)
         rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
         t0 = time.perf_counter()

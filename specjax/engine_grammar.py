@@ -5,6 +5,10 @@ state (scheduler, device state, programs, options, pending outputs); the engine 
 step (`_constrained_step`), its prefill (`_prefill_grammar`), its reference-order dispatch
 (`_step_grammar`) and `add_request` (`_attach_grammar`).
 
+Rows whose regex / choice constraint runs on the device DFA (specjax.engine_dfa) are no grammar
+rows here: like unconstrained rows they need no host work; the programs mask them by their DFA
+state (the static flag `dfa`, set by Engine._flags).
+
 Batches with grammar-constrained rows need step t's tokens (and next tree) before step t+1's masks.
 Overlap (SchedulerOptions(overlap=True), the default) hides that behind the target forward:
 
@@ -66,8 +70,8 @@ class GrammarSteps:
     engine's opts, draft, cfg, sched, masks (grammar_masks.MaskBuilder), host (host_timing.HostTimes),
     programs and device state, and its _collect / _read / _accept_all / _dispatch / _push / _report."""
 
-    def _attach_grammar(self, req: Request) -> str | None:
-        """The request's grammar matcher (the compiler built on first use); the reason it cannot have one."""
+    def _ensure_compiler(self) -> str | None:
+        """Build the grammar compiler on first use; the reason there is none."""
         from specjax.grammar import GrammarCompiler
         if self._grammar is None:
             return "constrained decoding needs a grammar compiler (Engine(grammar=...))"
@@ -76,6 +80,13 @@ class GrammarSteps:
                 self._grammar = self._grammar()  # built on first use
             except Exception as e:  # noqa: BLE001 - e.g. a tokenizer xgrammar cannot read: fail the request
                 return f"cannot build the grammar compiler: {type(e).__name__}: {e}"
+        return None
+
+    def _attach_grammar(self, req: Request) -> str | None:
+        """The request's grammar matcher (the compiler built on first use); the reason it cannot have one."""
+        why = self._ensure_compiler()
+        if why is not None:
+            return why
         try:
             req.grammar = self._grammar.matcher(req.params.constraint, list(req.eos_ids) or None)
         except ValueError as e:  # GrammarError, or stop ids outside the vocabulary

@@ -18,6 +18,10 @@ takes it with the logits and the masks. Plain decoding likewise:
 `decode_many` (num_steps steps in one program) and, for grammar batches, `forward` | `sample` (the
 forward of one step, then sampling with the masks computed meanwhile).
 
+Regex constraints on the device (specjax.device_dfa): the static flag `dfa` (a row of the dispatch
+has a device DFA) compiles in the masking by each row's DFA state and its advance, inside the
+programs (several steps per dispatch, no host work per token); off, no mask work at all.
+
 Grammar masks (`mask`) are token_mask.RowMasks: the bitmasks of the constrained rows only, with
 their row indices (the row count bucketed: one executable per bucket); None without grammars.
 
@@ -44,10 +48,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax import decode, step as step_lib
+from specjax import device_dfa as dfa_lib
 from specjax.kernels import Kernels
 from specjax.sampling import SamplingArrays
 
-_STATIC = ("want_logprobs", "stochastic")
+_STATIC = ("want_logprobs", "stochastic", "dfa")  # dfa: a row of the dispatch has a device DFA
 
 
 def init_samp(max_slots: int) -> SamplingArrays:
@@ -80,42 +85,61 @@ def _admit_slots(state, tokens, lens, slots, pen):
 admit_slots = jax.jit(_admit_slots, donate_argnums=(0,))  # (state, tokens, lens, slots, pen) -> state
 
 
+def _admit_dfa(state, slots, cls, nxt, start):
+    """The device DFA tables of admitted slots [B] (device_dfa.admit: cls [B, V], nxt [B, S, C],
+    start [B] int32, -1 for a request without a DFA) -> state."""
+    return dataclasses.replace(state, dfa=dfa_lib.admit(state.dfa, slots, cls, nxt, start))
+
+
+admit_dfa = jax.jit(_admit_dfa, donate_argnums=(0,))  # (state, slots, cls, nxt, start) -> state
+
+
+def _clear_dfa(state, slots):
+    """Admitted slots [B] without a DFA: state -1 (a reused slot's DFA cleared) -> state."""
+    tables = state.dfa
+    return dataclasses.replace(state, dfa=dataclasses.replace(
+        tables, state=tables.state.at[slots].set(-1, mode="drop")))
+
+
+clear_dfa = jax.jit(_clear_dfa, donate_argnums=(0,))  # (state, slots) -> state
+
+
 class PlainPrograms(NamedTuple):
-    prefill: Callable  # (w, state, samp_all, rows: PrefillRows, samp, mask, *, want_logprobs, stochastic)
+    prefill: Callable  # (w, state, samp_all, rows: PrefillRows, samp, mask, *, want_logprobs, stochastic, dfa)
     #                    -> (StepOut, None, state, samp_all)
-    decode_many: Callable  # (w, state, samp_all, slots, active, mask, *, num_steps, want_logprobs, stochastic)
-    #                        -> (StepOut with [K, B] fields, None, state); a mask needs num_steps == 1
+    decode_many: Callable  # (w, state, samp_all, slots, active, mask, *, num_steps, want_logprobs, stochastic,
+    #                        dfa) -> (StepOut with [K, B] fields, None, state); a mask needs num_steps == 1
     forward: Callable  # (w, state, slots, active) -> (logits [B, V], state): decode_many(num_steps=1) = forward
-    sample: Callable  # (state, logits, samp_all, slots, active, mask, *, want_logprobs, stochastic)
+    sample: Callable  # (state, logits, samp_all, slots, active, mask, *, want_logprobs, stochastic, dfa)
     #                   -> (StepOut with [1, B] fields, None, state)          ... then sample (grammar overlap)
 
 
 def plain_programs(graphdef, params) -> tuple[PlainPrograms, list]:
     weights, unflat = _binder(params)
 
-    def prefill(w, state, samp_all, rows, samp, mask, *, want_logprobs, stochastic):
+    def prefill(w, state, samp_all, rows, samp, mask, *, want_logprobs, stochastic, dfa=False):
         out, state = decode.prefill_rows(graphdef, unflat(w), state, rows, samp, want_logprobs=want_logprobs,
-                                         stochastic=stochastic, token_mask=mask)
+                                         stochastic=stochastic, token_mask=mask, dfa=dfa)
         return out, None, state, _put_rows(samp_all, rows.slots, samp)
 
-    def decode_many(w, state, samp_all, slots, active, mask, *, num_steps, want_logprobs, stochastic):
+    def decode_many(w, state, samp_all, slots, active, mask, *, num_steps, want_logprobs, stochastic, dfa=False):
         samp = _take_rows(samp_all, slots)
         if mask is None:
             out, state = decode.decode_many(graphdef, unflat(w), state, slots, active, samp, num_steps,
-                                            want_logprobs=want_logprobs, stochastic=stochastic)
+                                            want_logprobs=want_logprobs, stochastic=stochastic, dfa=dfa)
             return out, None, state
         assert num_steps == 1, "a grammar mask covers one decode step"
         out, state = decode.decode(graphdef, unflat(w), state, slots, active, samp, want_logprobs=want_logprobs,
-                                   stochastic=stochastic, token_mask=mask)
+                                   stochastic=stochastic, token_mask=mask, dfa=dfa)
         return jax.tree.map(lambda x: x[None], out), None, state
 
     def forward(w, state, slots, active):
         return decode.decode_forward(nnx.merge(graphdef, unflat(w)), state, slots, active)
 
-    def sample(state, logits, samp_all, slots, active, mask, *, want_logprobs, stochastic):
+    def sample(state, logits, samp_all, slots, active, mask, *, want_logprobs, stochastic, dfa=False):
         positions = state.cache.seq_lens[jnp.minimum(slots, state.cache.seq_lens.shape[0] - 1)]  # advanced: L + 1
         out, state = decode.decode_sample(state, logits, slots, active, _take_rows(samp_all, slots), positions,
-                                          want_logprobs, stochastic, token_mask=mask)
+                                          want_logprobs, stochastic, token_mask=mask, dfa=dfa)
         return jax.tree.map(lambda x: x[None], out), None, state
 
     return PlainPrograms(
@@ -174,13 +198,13 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
     def bound(fn, tw, dw, *args, **kw):
         return fn(info, spec, target_graphdef, tunflat(tw), draft_graphdef, dunflat(dw), *args, **kw)
 
-    def prefill(tw, dw, state, samp_all, rows, samp, mask, drafts=None, *, want_logprobs, stochastic):
+    def prefill(tw, dw, state, samp_all, rows, samp, mask, drafts=None, *, want_logprobs, stochastic, dfa=False):
         out, state = bound(step_lib.spec_prefill_rows, tw, dw, state, rows, samp, want_logprobs=want_logprobs,
-                           stochastic=stochastic, token_mask=mask, grammar_drafts=drafts)
+                           stochastic=stochastic, token_mask=mask, grammar_drafts=drafts, dfa=dfa)
         return out, _trees(state, rows.slots), state, _put_rows(samp_all, rows.slots, samp)
 
     def fused(tw, dw, state, samp_all, slots, active, mask, stop, drafts=None, *, num_steps, want_logprobs,
-              stochastic, lite=False):
+              stochastic, lite=False, dfa=False):
         samp = _take_rows(samp_all, slots)
         rs = jnp.minimum(slots, state.cache.seq_lens.shape[0] - 1)
         assert (mask is None and drafts is None) or (num_steps == 1 and not lite), \
@@ -189,10 +213,11 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         def one(state, act):  # one fused (or lite) step; rows finished by it are inactive for the next ones
             if lite:
                 out, state = bound(step_lib.spec_lite_step, tw, dw, state, slots, act, samp,
-                                   want_logprobs=want_logprobs, stochastic=stochastic, kernels=kernels)
+                                   want_logprobs=want_logprobs, stochastic=stochastic, kernels=kernels, dfa=dfa)
             else:
                 out, state = bound(step_lib.spec_step, tw, dw, state, slots, act, samp, want_logprobs=want_logprobs,
-                                   stochastic=stochastic, token_mask=mask, kernels=kernels, grammar_drafts=drafts)
+                                   stochastic=stochastic, token_mask=mask, kernels=kernels, grammar_drafts=drafts,
+                                   dfa=dfa)
             return out, state, act & ~_finished(out, state.cache.seq_lens[rs], stop)
 
         def live(state, act):  # a row dispatched again after its end (the host reads one step behind)
@@ -219,13 +244,14 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         ver = step_lib.verify_forward(info, spec, target, state, slots, active)
         return (ver.logits, ver.h, ver.aux), dataclasses.replace(state, cache=ver.cache)
 
-    def finish(tw, dw, state, verified, samp_all, slots, active, mask, drafts=None, *, want_logprobs, stochastic):
+    def finish(tw, dw, state, verified, samp_all, slots, active, mask, drafts=None, *, want_logprobs, stochastic,
+               dfa=False):
         target, draft = nnx.merge(target_graphdef, tunflat(tw)), step_lib.merge_draft(draft_graphdef, dunflat(dw))
         logits, h, aux = verified
         ver = step_lib.Verified(logits=logits, h=h, aux=aux, cache=state.cache)
         samp = _take_rows(samp_all, slots)
         acc = step_lib.accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask=mask,
-                              kernels=kernels)
+                              kernels=kernels, dfa=dfa)
         new = step_lib.draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic,
                                   drafts)
         return jax.tree.map(lambda x: x[None], acc.out), _trees(new, slots), new

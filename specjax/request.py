@@ -25,6 +25,8 @@ class RequestOutput:
     accept_len_mean: float | None = None  # speculative decoding: mean tokens emitted per step
     error: str | None = None  # why the request failed (finish_reason "error")
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first admission)
+    constraint_path: str | None = None  # a constrained request: "device_dfa" or "host_grammar" (specjax.engine_dfa)
+    dfa_fallback: str | None = None  # why a regex / choice constraint did not run on the device DFA
 
 
 class Request:
@@ -58,6 +60,9 @@ class Request:
         self._stop_cut: int | None = None  # text offset where a stop string begins
         self.error: str | None = None
         self.grammar = None  # specjax.grammar.RequestGrammar of a constrained request
+        self.dfa = None  # specjax.dfa_routing.DeviceDFA: the constraint runs on the device (no matcher here)
+        self.constraint_path: str | None = None  # "device_dfa" | "host_grammar" for a constrained request
+        self.dfa_fallback: str | None = None  # why a regex / choice constraint took the host path
         # engine / scheduler bookkeeping
         self.slot: int | None = None
         self.arrival = 0  # submission order (preemption retracts the youngest)
@@ -210,4 +215,5 @@ class Request:
         self.text = self.final_text()
         mean = sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else None
         return RequestOutput(self.id, self.prompt, self.prompt_ids, self.text, list(self.token_ids),
-                             self.finish_reason, self.logprobs, mean, self.error, self.num_cached_tokens)
+                             self.finish_reason, self.logprobs, mean, self.error, self.num_cached_tokens,
+                             self.constraint_path, self.dfa_fallback)

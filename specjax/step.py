@@ -61,6 +61,14 @@ proposal in draft_probs the one-hot), or a tree level's only candidate (candidat
 other candidates of the level are displaced to score -1e30). The draft is fed them as its own
 tokens, so later levels continue from them. Point-mass proposals keep verification exact.
 
+Device DFAs (SpecState.dfa, specjax.device_dfa; the static flag `dfa` of a dispatch with a DFA
+row): the state after the root is the slot's; the state at each tree node follows its path, the
+target's logits after each node are masked by it before acceptance (lossless: the masked target is
+what constrained plain decoding samples from), and the slot's new state is the accepted node's,
+stepped by the bonus token. The draft (sharing the target's vocabulary) drafts from its logits
+masked by each frontier node's state: a sampled chain's proposal is that masked law, so the rule
+stays exact, and where the regex fixes the text the draft proposes it.
+
 Penalties (SpecState.penalties set; specjax.penalties): acceptance sees the target's logits after
 each node penalised with the slot's counts plus the tokens on the node's path, i.e. exactly what
 plain decoding would sample from, so speculation stays lossless; the emitted tokens are counted
@@ -81,6 +89,7 @@ from flax import nnx
 
 from pallas_kernels.kv_compact import kv_compact
 from specjax import decode, drafter, ngram, sampling, tree as tree_lib, verify
+from specjax import device_dfa as dfa_lib
 from specjax import penalties as pen_lib
 from specjax.drafter import DraftInfo
 from specjax.kernels import Kernels
@@ -106,6 +115,7 @@ class SpecState:
     draft_probs: jax.Array | None  # [max_slots, N, V] float32: proposal of each chain node (sampling)
     penalties: PenaltyState | None = None  # None: no penalties (compiled out)
     history: jax.Array | None = None  # [max_slots, W] int32 tokens x_0 .. x_L (n-gram drafter only)
+    dfa: dfa_lib.DFATables | None = None  # per-slot regex DFAs, state after the root (specjax.device_dfa)
 
 
 @jax.tree_util.register_dataclass
@@ -187,6 +197,14 @@ def _draft_rows(info, pen: PenaltyState | None, slots):
     return pen_lib.rows(pen, slots)
 
 
+def _draft_dfa(info, state: SpecState, rs, root_states):
+    """(DFAView, the next roots' states [B]) for drafting under the rows' DFAs (None: no DFA in the
+    dispatch, or a draft with its own vocabulary: EAGLE-3 drafts unmasked, which costs acceptance only)."""
+    if root_states is None or info.method == "eagle3":
+        return None
+    return dfa_lib.view(state.dfa, rs)._replace(state=root_states), root_states
+
+
 def grammar_levels(drafts, node, bonus, num_steps: int):
     """The first levels of the next tree that the grammar drafts (specjax.grammar_drafts).
 
@@ -219,11 +237,14 @@ def _force(spec, s, forced, tok, sc, q):
 
 
 def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logits_last, samp,
-          sample_drafts, pen_rows=None, forced=None):
+          sample_drafts, pen_rows=None, forced=None, dfa=None):
     """Grow the next tree from the draft's output at the root (h_last [B, E], logits_last [B, Vd]).
     pen_rows: penalty rows of the batch (counts including the root) to draft from penalised logits.
     forced: [B, S] int32 grammar drafts of the first levels (grammar_levels; -1: the draft's own
-    choice), fed to the draft like its own tokens. Returns (Tree, draft_probs [B, N, V] or None, kv)."""
+    choice), fed to the draft like its own tokens. dfa: (device_dfa.DFAView, the roots' states [B])
+    of a draft sharing the target's vocabulary: the draft drafts from its logits masked by each
+    frontier node's DFA state (the proposals q of a sampled chain are those masked laws, so
+    verification stays exact). Returns (Tree, draft_probs [B, N, V] or None, kv)."""
     S, k = spec.num_steps, spec.topk
     B = root.shape[0]
     V = target.embed[...].shape[0]
@@ -234,6 +255,9 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
     if pen_rows is not None:
         logits_last = pen_lib.apply(logits_last, pen_rows)
     lp = jax.nn.log_softmax(logits_last, axis=-1)[:, None]  # [B, 1, Vd]
+    if dfa is not None:
+        dv, fstate = dfa[0], dfa[1][:, None]  # [B, F] DFA states of the frontier nodes
+        lp = dfa_lib.mask_logits(lp, dv, fstate)
     path = jnp.zeros((B, 1, 0), jnp.int32)  # target tokens below the root on the frontier's paths
     st_tok, st_score, st_par, qs = [], [], [], []
     fr = jnp.zeros((B, 1), jnp.int32)  # frontier: indices into the previous step's candidates
@@ -246,6 +270,8 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
         tok = drafter.to_target(info, draft, tok)
         if forced is not None:
             tok, sc, q = _force(spec, s, forced, tok, sc, q)
+        if dfa is not None:  # [B, F*k] the candidates' states
+            cstate = dfa_lib.step_states(dv, jnp.take_along_axis(fstate, local, axis=1), tok)
         if spec.is_chain:
             qs.append(q)
         st_tok.append(tok)
@@ -269,6 +295,9 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
         if pen_rows is not None:
             lg = pen_lib.apply(lg, pen_rows, path)
         lp = jax.nn.log_softmax(lg, axis=-1)
+        if dfa is not None:
+            fstate = jnp.take_along_axis(cstate, fr, axis=1)  # [B, k]
+            lp = dfa_lib.mask_logits(lp, dv, fstate)
     if spec.is_chain:
         tree = tree_lib.chain_tree(root, jnp.concatenate(st_tok, axis=1))
         probs = None
@@ -292,9 +321,10 @@ def _merge(tgd, tp, dgd, dp):
     return nnx.merge(tgd, tp), merge_draft(dgd, dp)
 
 
-def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, penalties=None, history=None):
-    """Write the per-slot results of rows `upd` (out-of-range rows dropped); penalties / history:
-    the new penalty state / token history (None: keep the state's)."""
+def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, penalties=None, history=None,
+           dfa=None):
+    """Write the per-slot results of rows `upd` (out-of-range rows dropped); penalties / history / dfa:
+    the new penalty state / token history / DFA tables (None: keep the state's)."""
     def put(arr, val):
         return arr.at[upd].set(val, mode="drop")
     return SpecState(cache=cache, draft_kv=draft_kv, draft_seq_lens=draft_seq_lens,
@@ -304,14 +334,16 @@ def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, 
                      draft_probs=None if state.draft_probs is None else put(
                          state.draft_probs, probs if probs is not None else 0.0),
                      penalties=state.penalties if penalties is None else penalties,
-                     history=state.history if history is None else history)
+                     history=state.history if history is None else history,
+                     dfa=state.dfa if dfa is None else dfa)
 
 
 def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState,
                       rows: decode.PrefillRows, samp: SamplingArrays, want_logprobs=False, stochastic=True,
-                      token_mask=None, grammar_drafts=None):
+                      token_mask=None, grammar_drafts=None, dfa=False):
     """Prefill pieces into the target and the draft; final rows sample the first token and grow the
-    first tree. The penalty state of the admitted slots must already be reset. token_mask: optional
+    first tree. The penalty state (and DFA tables) of the admitted slots must already be written;
+    dfa (static): the rows' device DFAs mask the first token and advance. token_mask: optional
     [B, W] grammar bitmask of the first token. grammar_drafts: optional [B, 1, S + 1] int32, the
     grammar's continuation after each prompt (specjax.grammar_drafts), drafted into the first tree.
     Returns (decode.StepOut, state)."""
@@ -319,16 +351,18 @@ def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state
     T = rows.tokens.shape[1]
     max_slots = state.cache.seq_lens.shape[0]
     pen = state.penalties
+    v = decode.prefill_dfa(state, rows, dfa)
     out, h, aux, cache = decode.target_prefill(target, state.cache, rows, samp, want_logprobs, stochastic,
-                                               info.aux_layers, pen=pen, token_mask=token_mask)
+                                               info.aux_layers, pen=pen, token_mask=token_mask, dfa_view=v)
     fin = decode.final_slots(rows, max_slots)
     final = (fin < max_slots).astype(jnp.int32)
     pen = decode.count_first(pen, fin, rows.lens, out.tokens)
+    tables = decode.prefill_dfa_advance(state.dfa, v, fin, rows, out.tokens)
     if not info.has_model:  # n-gram: the history holds the sequence (written at admission); add x_P
         end = rows.start + rows.lens  # P, the position of the first sampled token
         hist = ngram.append(state.history, fin, end - 1, out.tokens[:, None], final)
         tree = ngram.propose(hist[jnp.clip(rows.slots, 0, max_slots - 1)], end + 1, out.tokens, spec)
-        return out, _store(state, fin, tree, None, state.draft_kv, state.draft_seq_lens, cache, pen, hist)
+        return out, _store(state, fin, tree, None, state.draft_kv, state.draft_seq_lens, cache, pen, hist, tables)
     pt = cache.page_table[jnp.clip(rows.slots, 0, max_slots - 1)]
     ps = cache.page_size
     act = (rows.lens > 0).astype(jnp.int32)
@@ -349,11 +383,13 @@ def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state
     forced = None
     if grammar_drafts is not None:
         forced = grammar_levels(grammar_drafts, jnp.zeros_like(out.tokens), out.tokens, spec.num_steps)
+    roots = None if v is None else tables.state[jnp.clip(rows.slots, 0, max_slots - 1)]  # after the first token
     tree, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act * final, out.tokens, rows.start + rows.lens,
                              Ld, h_last, lg_last, samp, stochastic and state.draft_probs is not None,
-                             _draft_rows(info, pen, rows.slots), forced)
+                             _draft_rows(info, pen, rows.slots), forced,
+                             _draft_dfa(info, state, jnp.clip(rows.slots, 0, max_slots - 1), roots))
     draft_seq_lens = state.draft_seq_lens.at[rows.slots].set(Ld, mode="drop")
-    return out, _store(state, fin, tree, probs, dkv, draft_seq_lens, cache, pen)
+    return out, _store(state, fin, tree, probs, dkv, draft_seq_lens, cache, pen, dfa=tables)
 
 
 def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, tokens, lens, slots,
@@ -398,6 +434,7 @@ class Accepted:
     accept_idx: jax.Array  # [B, S + 1] accepted node indices (-1 padded)
     bonus: jax.Array  # [B] int32 the next root
     cache: KVCache  # compacted target cache (lengths not yet updated)
+    dfa_state: jax.Array | None = None  # [B] int32 the rows' DFA states after the bonus (None: dfa off)
 
 
 class TreeShape(NamedTuple):
@@ -439,13 +476,15 @@ def verify_forward(info: DraftInfo, spec: SpecConfig | TreeShape, target, state:
 
 
 def accept(spec: SpecConfig | TreeShape, state: SpecState, ver: Verified, slots, active, samp, want_logprobs,
-           stochastic, token_mask=None, kernels: Kernels = Kernels()) -> Accepted:
+           stochastic, token_mask=None, kernels: Kernels = Kernels(), dfa: bool = False) -> Accepted:
     """Acceptance (greedy or rejection sampling) and compaction of the accepted path (spec: as for
     verify_forward; ROOT_ONLY: the bonus alone, drawn as when every child of the root is rejected).
     token_mask: optional grammar masks of the tokens allowed after each node: token_mask.RowMasks
     (bits [R, N, W] of some rows) or a dense [B, N, W] int32 bitmask.
     kernels: the implementations chosen by the caller (default: the jnp references).
-    With state.penalties, the logits after each node are penalised first (counts + the node's path)."""
+    With state.penalties, the logits after each node are penalised first (counts + the node's path).
+    dfa (static): the rows' device DFAs mask the logits after each node by the node's state (its
+    path's: device_dfa.tree_states); Accepted.dfa_state is the accepted node's state after the bonus."""
     rs, active = _rows(state, slots, active)
     S = spec.num_steps
     act = active.astype(jnp.int32)
@@ -455,6 +494,11 @@ def accept(spec: SpecConfig | TreeShape, state: SpecState, ver: Verified, slots,
     if state.penalties is not None:
         logits = pen_lib.apply(logits, pen_lib.rows(state.penalties, rs), pen_lib.tree_path_tokens(tree))
     logits = apply_token_mask(logits, token_mask)  # grammar: the constrained rows only (token_mask.RowMasks)
+    dv = node_states = None
+    if dfa:
+        dv = dfa_lib.view(state.dfa, rs)
+        node_states = dfa_lib.tree_states(dv, tree.tokens, tree.parents)  # [B, N]
+        logits = dfa_lib.mask_logits(logits, dv, node_states)
     q = state.draft_probs[rs] if (stochastic and state.draft_probs is not None) else None
     acc, n, bonus = verify.verify_tree(tree, logits, samp, L, draft_probs=q, stochastic=stochastic)
     n = n * act  # [B]; acc [B, S + 1]
@@ -473,7 +517,12 @@ def accept(spec: SpecConfig | TreeShape, state: SpecState, ver: Verified, slots,
         chosen, top_v, top_i = sampling.token_logprobs(lg.reshape(B * (S + 1), -1), jnp.maximum(toks, 0).reshape(-1))
         out = dataclasses.replace(out, logprob=chosen.reshape(B, S + 1), top_logprobs=top_v.reshape(B, S + 1, -1),
                                   top_ids=top_i.reshape(B, S + 1, -1))
-    return Accepted(out=out, accept_idx=acc, bonus=bonus, cache=cache)
+    dfa_state = None
+    if dv is not None:  # the accepted node's state, stepped by the bonus (the next root)
+        last = jnp.take_along_axis(acc, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]  # [B]
+        at = jnp.take_along_axis(node_states, jnp.maximum(last, 0)[:, None], axis=1)[:, 0]
+        dfa_state = jnp.where(active, dfa_lib.step_states(dv, at, bonus), dv.state)
+    return Accepted(out=out, accept_idx=acc, bonus=bonus, cache=cache, dfa_state=dfa_state)
 
 
 def _commit(info: DraftInfo, target, draft, state: SpecState, ver: Verified, acc: Accepted, slots, active):
@@ -491,7 +540,10 @@ def _commit(info: DraftInfo, target, draft, state: SpecState, ver: Verified, acc
     if pen is not None:
         pen = pen_lib.add_tokens(pen, upd, acc.out.tokens, n)
     cache = dataclasses.replace(acc.cache, seq_lens=state.cache.seq_lens.at[upd].set(L + n, mode="drop"))
-    state = dataclasses.replace(state, cache=cache, penalties=pen)
+    tables = state.dfa
+    if acc.dfa_state is not None:
+        tables = dataclasses.replace(tables, state=tables.state.at[upd].set(acc.dfa_state, mode="drop"))
+    state = dataclasses.replace(state, cache=cache, penalties=pen, dfa=tables)
     if not info.has_model:
         return dataclasses.replace(state, history=ngram.append(state.history, upd, L, acc.out.tokens, n)), None, None
     feats = None
@@ -526,23 +578,24 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
     pt, ps = state.cache.page_table[rs], state.cache.page_size
     nxt, probs, dkv = _grow(info, spec, draft, target, new.draft_kv, pt, ps, active.astype(jnp.int32), acc.bonus, L2,
                             state.draft_seq_lens[rs] + n, h_last, lg_last, samp,
-                            stochastic and state.draft_probs is not None, _draft_rows(info, new.penalties, rs), forced)
+                            stochastic and state.draft_probs is not None, _draft_rows(info, new.penalties, rs), forced,
+                            _draft_dfa(info, state, rs, acc.dfa_state))
     return _store(new, upd, nxt, probs, dkv, new.draft_seq_lens, new.cache)
 
 
 def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
               samp: SamplingArrays, want_logprobs=False, stochastic=True, token_mask=None,
-              kernels: Kernels = Kernels(), grammar_drafts=None):
+              kernels: Kernels = Kernels(), grammar_drafts=None, dfa: bool = False):
     """One fused speculative step for rows `slots` [B] with `active` [B] bool -> (SpecOut, state).
     The caller must have pages for lookahead(spec, info) entries past L of every active slot.
     kernels: static kernel choices (specjax.kernels; default: the jnp references).
     token_mask [B, N, W] / grammar_drafts [B, N, S + 1]: grammar masks of the stored tree and the
-    grammar's continuations after its nodes (draft_next)."""
+    grammar's continuations after its nodes (draft_next). dfa (static): device DFAs (accept)."""
     target, draft = _merge(tgd, tp, dgd, dp)
     with jax.named_scope("verify"):
         ver = verify_forward(info, spec, target, state, slots, active)
     with jax.named_scope("accept"):
-        acc = accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask, kernels)
+        acc = accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask, kernels, dfa)
     with jax.named_scope("draft"):
         new_state = draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic,
                                grammar_drafts)
@@ -561,7 +614,8 @@ def _widen(out: SpecOut, width: int) -> SpecOut:
 
 
 def spec_lite_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
-                   samp: SamplingArrays, want_logprobs=False, stochastic=True, kernels: Kernels = Kernels()):
+                   samp: SamplingArrays, want_logprobs=False, stochastic=True, kernels: Kernels = Kernels(),
+                   dfa: bool = False):
     """A draft-synced plain step (the "lite" step; see the module doc) for rows `slots` [B] with
     `active` [B] bool -> (SpecOut in spec_step's layout, num_accepted 1 for active rows; state):
     the target forward over each stored tree's root, the next token drawn as the fused step draws
@@ -574,7 +628,7 @@ def spec_lite_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: S
     with jax.named_scope("verify"):
         ver = verify_forward(info, ROOT_ONLY, target, view, slots, active)
     with jax.named_scope("accept"):
-        acc = accept(ROOT_ONLY, view, ver, slots, active, samp, want_logprobs, stochastic, kernels=kernels)
+        acc = accept(ROOT_ONLY, view, ver, slots, active, samp, want_logprobs, stochastic, kernels=kernels, dfa=dfa)
     with jax.named_scope("draft_extend"):
         new, _, _ = _commit(info, target, draft, state, ver, acc, slots, active)
     _, active = _rows(state, slots, active)

@@ -229,10 +229,13 @@ def test_grammar_drafts_are_accepted(world, draft, sched):
     the text its drafts are certain; in the permissive tail the draft (the target) continues from them,
     so with consistent draft KV every step of the FORCED row accepts num_steps + 1 tokens. The tokens
     are those of plain constrained decoding, with grammar drafts on and off; off, the fixed text is
-    rejected draft by draft: fewer tokens per step (measured) for the fixed text, the choice and JSON."""
+    rejected draft by draft: fewer tokens per step (measured) for the fixed text, the choice and JSON.
+    The host grammar path (device_dfa=False): device DFAs draft under their masks instead
+    (tests/test_device_dfa.py)."""
+    sched = dataclasses.replace(sched, device_dfa=False)
     prompts = world[5][:3]
     constraints = [dict(regex=FORCED), dict(choice=CHOICE), dict(json_schema=SCHEMA)]
-    plain = run(make_engine(world, sched=SchedulerOptions()), prompts, constraints, max_tokens=40)
+    plain = run(make_engine(world, sched=SchedulerOptions(device_dfa=False)), prompts, constraints, max_tokens=40)
     eng = make_engine(world, draft, sched=sched)
     on = run(eng, prompts, constraints, max_tokens=40)
     eng.opts = dataclasses.replace(sched, grammar_drafts=False)
