@@ -208,6 +208,14 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-tokens", type=positive_int, default=BatchOptions.max_prefill_tokens,
                    help="tokens of one prefill call; longer prompts are prefilled in chunks between the decode "
                         "steps of running requests (lower: steadier streams while long prompts arrive)")
+    from specjax.scheduler import SchedulerOptions
+    g.add_argument("--no-device-dfa", dest="device_dfa", action="store_false",
+                   help="regex / choice constraints through xgrammar on the host instead of token DFAs followed "
+                        "on the device (same outputs; the device path needs no host work per token)")
+    g.add_argument("--dfa-max-states", type=positive_int, default=SchedulerOptions.dfa_max_states, metavar="N",
+                   help="device DFA tables: states per slot (a constraint with more takes the host path)")
+    g.add_argument("--dfa-max-classes", type=positive_int, default=SchedulerOptions.dfa_max_classes, metavar="N",
+                   help="device DFA tables: token classes per slot (a constraint with more takes the host path)")
 
 
 def check_model_arguments(a) -> None:
@@ -255,6 +263,9 @@ def llm_from_args(a, **more):
     """The LLM the flags of add_model_arguments describe (after check_model_arguments); `more`: other
     LLM arguments (e.g. num_pages, seed)."""
     from specjax import LLM
+    from specjax.scheduler import SchedulerOptions
+    more.setdefault("scheduler", SchedulerOptions(device_dfa=a.device_dfa, dfa_max_states=a.dfa_max_states,
+                                                  dfa_max_classes=a.dfa_max_classes))
     return LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft,
                spec=a.spec, tensor_parallel=a.tensor_parallel, kv_compact_impl=a.kv_compact_impl,
                attention=a.attention, prefix_cache=a.prefix_cache, max_prefill_tokens=a.max_prefill_tokens,

@@ -159,3 +159,28 @@ def _jsonl(tmp_path, prompts):
     f = tmp_path / "prompts.jsonl"
     f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return f
+
+
+@pytest.mark.parametrize("extra, expect", [
+    ([], (True, 128, 256)),
+    (["--no-device-dfa", "--dfa-max-states", "64", "--dfa-max-classes", "32"], (False, 64, 32)),
+])
+def test_device_dfa_flags_reach_the_scheduler(tiny, monkeypatch, extra, expect):
+    """--no-device-dfa / --dfa-max-states / --dfa-max-classes become the LLM's SchedulerOptions."""
+    import specjax
+    seen = {}
+
+    class Capture:
+        def __init__(self, *a, **k):
+            seen.update(k)
+            raise SystemExit(0)
+    monkeypatch.setattr(specjax, "LLM", Capture)
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tiny), "--prompt", "w5", "--regex", "w[0-9]", *extra])
+    s = seen["scheduler"]
+    assert (s.device_dfa, s.dfa_max_states, s.dfa_max_classes) == expect
+
+
+def test_bad_dfa_limit_is_a_usage_error(capsys, no_load):
+    assert "argument --dfa-max-states: must be an integer >= 1, got 0" in usage_error(
+        capsys, ["generate", "--prompt", "hi", "--dfa-max-states", "0"])
