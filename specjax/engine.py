@@ -568,8 +568,7 @@ class Engine(GrammarSteps, DFASteps):
         if grammar:
             slots, active = self.sched.row_slots(rows)
         else:  # the bucket, or a larger batch already dispatched by the same program family
-            n = len(self.sched.row_slots(rows)[0])
-            n, = self.shapes.pick(("decode", p.kind, p.num_steps, *flags.values()), (n,))
+            n, = self.shapes.pick(("decode", p.kind, p.num_steps, *flags.values()), (self.sched.rows_bucket(len(rows)),))
             slots, active = self.sched.row_slots(rows, num_rows=n)
         mask, drafts = self._step_grammar(rows, len(slots)) if grammar else (None, None)
         self._push_page_table()  # pages the plan took for K steps

@@ -182,12 +182,16 @@ class Scheduler:
         most = self.capacity if req is None else len(req.prompt_ids) + req.max_len + self.ahead
         return min(int(self.lens[slot] + self.inflight[slot]) + self.ahead, self.capacity, most)
 
+    def rows_bucket(self, n: int, min_rows: int = 2) -> int:
+        """The padded row count of a step over n rows (a power-of-two bucket >= min_rows)."""
+        return bucket(max(n, min_rows), min_rows, max(min_rows, self.max_batch))
+
     def row_slots(self, rows: list[tuple[int, Request]], min_rows: int = 2,
                   num_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(slots [B], active [B]) for a step over rows; B is bucketed (>= min_rows) unless num_rows
         (>= len(rows)) gives it; padding rows get slot max_batch (out of range: reads clamp, writes
         drop)."""
-        B = bucket(max(len(rows), min_rows), min_rows, max(min_rows, self.max_batch)) if num_rows is None else num_rows
+        B = self.rows_bucket(len(rows), min_rows) if num_rows is None else num_rows
         if B < len(rows):
             raise ValueError(f"num_rows={B} is fewer than the {len(rows)} rows of the step")
         slots = np.full(B, self.max_batch, np.int32)

@@ -1,9 +1,11 @@
 """Shared test helpers: tiny random models, a stand-in tokenizer, the default model (or a skip)."""
 from __future__ import annotations
 
+import math
 import os
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -72,3 +74,16 @@ def prefill_kv(eng, req):
     while eng.has_unfinished():
         eng.step()
     return out[0], (out[1] if len(out) > 1 else None)
+
+
+def chi2_pvalue(counts, probs):
+    """Pearson chi-square with the cells of expected count < 5 pooled; Wilson-Hilferty tail."""
+    exp = probs * counts.sum()
+    small = exp < 5
+    o = np.append(counts[~small], counts[small].sum())
+    e = np.append(exp[~small], exp[small].sum())
+    keep = e > 0
+    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
+    k = int(keep.sum()) - 1
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))

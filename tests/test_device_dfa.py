@@ -14,14 +14,13 @@ random model of tests/test_grammar_engine.py (97 single-character tokens that xg
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import tiny_config, tiny_model
+from helpers import chi2_pvalue, tiny_config, tiny_model
 from specjax import device_dfa as dfa_lib
 from specjax import sampling
 from specjax.dfa_routing import DeviceDFA
@@ -94,19 +93,6 @@ def test_device_ops_follow_the_token_dfa():
         np.testing.assert_array_equal(np.isfinite(per_node[i]), td.allowed(s) if s >= 0 else np.ones(97, bool))
 
 
-def _chi2(counts, probs):
-    """Pearson chi-square p-value (cells of expected count < 5 merged; Wilson-Hilferty)."""
-    exp = probs * counts.sum()
-    small = exp < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(exp[~small], exp[small].sum())
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
-
-
 def _masked_law(logits, allowed, temperature):
     z = np.where(allowed, logits / temperature, -np.inf)
     p = np.exp(z - z.max())
@@ -162,7 +148,7 @@ def test_masked_sampling_is_the_renormalised_law(how):
         assert 0.2 < float(jnp.mean(n > 1)) < 1.0  # the rule ran: some drafts accepted, some not
     counts = np.bincount(np.asarray(got), minlength=97)
     assert counts[~allowed].sum() == 0
-    assert _chi2(counts, law) > 1e-3
+    assert chi2_pvalue(counts, law) > 1e-3
 
 
 # ----------------------------------------------------------------------------- engine

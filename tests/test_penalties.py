@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import tiny_config, tiny_model
+from helpers import chi2_pvalue, tiny_config, tiny_model
 
 from specjax import decode
 from specjax import penalties as P
@@ -471,19 +471,6 @@ def spec_samples(cfg, target, draft, sc, params, rows=ROWS):
     first3 = np.stack([r[r >= 0][:3] for r in allt])
     idx = first3[:, 0] * V6 * V6 + first3[:, 1] * V6 + first3[:, 2]
     return np.bincount(idx, minlength=V6 ** 3), np.stack(n_acc)
-
-
-def chi2_pvalue(counts, probs):
-    """Pearson chi-square with the cells of expected count < 5 pooled; Wilson-Hilferty tail."""
-    exp = probs * counts.sum()
-    small = exp < 5
-    o = np.append(counts[~small], counts[small].sum())
-    e = np.append(exp[~small], exp[small].sum())
-    keep = e > 0
-    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
-    k = int(keep.sum()) - 1
-    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 @pytest.mark.parametrize("which,sc", [
