@@ -488,8 +488,7 @@ class Engine(GrammarSteps, DFASteps):
             self._admit_dfa([(pc.slot, pc.req) for pc in firsts])
         samplers = [(b, pc.req) for b, pc in enumerate(pieces) if pc.final]  # rows whose sample is used
         flags = self._flags([r for _, r in samplers])
-        B, T = self._prefill_shape(len(pieces), max(p.end - p.start for p in pieces),
-                                   (*flags.values(), any(r.grammar is not None for _, r in samplers)))
+        B, T = self._prefill_shape(pieces, (*flags.values(), any(r.grammar is not None for _, r in samplers)))
         tokens = np.zeros((B, T), np.int32)
         start, lens, next_ids = (np.zeros(B, np.int32) for _ in range(3))
         final = np.zeros(B, bool)
@@ -516,15 +515,20 @@ class Engine(GrammarSteps, DFASteps):
         if finals:  # a call of unfinished prefills only has nothing to read
             self._push("prefill", out, trees, finals, 0, 1)
 
-    def _prefill_shape(self, n: int, longest: int, key: tuple) -> tuple[int, int]:
-        """(rows B, length T) of a prefill of n pieces whose longest has `longest` tokens: the
-        buckets, or a larger shape already dispatched with the same flags, up to 4x their tokens and
-        within the prefill token budget (specjax.shape_reuse). Prefix-cache hits make the rows of a
-        repeated batch shorter than the first time, and refilled slots admit a few requests at a
-        time: either way few prefill programs are compiled."""
-        B = bucket(n, 1, self.batch_opts.max_batch)
-        T = self.sched.prefill_len(longest)
-        return self.shapes.pick(("prefill", key), (B, T), limit=max(B * T, self.batch_opts.max_prefill_tokens))
+    def _prefill_shape(self, pieces: list[Piece], key: tuple) -> tuple[int, int]:
+        """(rows B, length T) of a prefill of these pieces: the buckets, or a larger shape already
+        dispatched with the same flags, up to 4x their tokens and within the prefill token budget
+        (specjax.shape_reuse). Refilled slots admit a few requests at a time, and prefix-cache hits
+        make the rows of a repeated batch shorter than the first time (e.g. 128 -> 16 tokens, past
+        the 4x): a prompt found whole in the cache counts with its uncached length for the 4x
+        (Scheduler.uncached_len), so it may run on the shape its first prefill compiled instead of
+        compiling its own (only a shape its uncached prefill could have taken); new text
+        after a cached prefix (a shared system prompt) keeps its own short bucket."""
+        B = bucket(len(pieces), 1, self.batch_opts.max_batch)
+        T = self.sched.prefill_len(max(p.end - p.start for p in pieces))
+        uncached = self.sched.prefill_len(max(self.sched.uncached_len(p) for p in pieces))
+        return self.shapes.pick(("prefill", key), (B, T), limit=max(B * T, self.batch_opts.max_prefill_tokens),
+                                need=B * uncached)
 
     def _admit_slots(self, firsts: list[Piece]):
         """The per-slot state of newly admitted slots that needs their whole sequence (a piece may

@@ -155,6 +155,15 @@ class Scheduler:
         """Padded length of a prefill call whose longest piece has n tokens."""
         return bucket(n, MIN_PREFILL_LEN, self.chunk)
 
+    def uncached_len(self, p: Piece) -> int:
+        """The piece's length had the prefix cache not held its prompt: a first piece that reused
+        every page it could (its whole prompt was prefilled before: a repeat) counts its prefill
+        from 0 up to a chunk, other pieces (new text after a cached prefix included) their own."""
+        ps = self.alloc.page_size
+        most = prefix_cache.max_shared_pages(len(p.ids), ps, self.key_shift) * ps
+        repeat = p.first and 0 < p.start == most
+        return min(p.end, self.chunk) if repeat else p.end - p.start
+
     def has_work(self) -> bool:
         return bool(self.queue) or any(r is not None for r in self.slots)
 

@@ -12,12 +12,16 @@ as large in every dimension, whose size (the product of the dims) is at most `sl
 asked for and at most `limit` -- the smallest such one. Whatever it returns is remembered as used.
 The key holds everything else that selects a program (its static flags), so only shapes of the same
 program family are reused. A second identical workload therefore compiles nothing either way; a
-workload of varied shapes compiles a few programs and then reuses them.
+workload of varied shapes compiles a few programs and then reuses them. `need` (default: the size
+of dims) replaces the size that the slack multiplies, for a caller whose dims are smaller than the
+work it would accept: a prefill of prompts found whole in the prefix cache (specjax.engine) may
+take any shape their uncached prefill could have taken.
 
     reuse = ShapeReuse(slack=4)
     reuse.pick(("prefill", flags), (16, 256))   -> (16, 256)   first use: compiled
     reuse.pick(("prefill", flags), (8, 256))    -> (16, 256)   2x the size: reused
     reuse.pick(("prefill", flags), (1, 32))     -> (1, 32)     (16, 256) would be 128x: compiled
+    reuse.pick(("prefill", flags), (1, 64), need=1024)  -> (16, 256)  4x the need: reused
 """
 from __future__ import annotations
 
@@ -35,11 +39,12 @@ class ShapeReuse:
         self.used: dict[Hashable, set[tuple[int, ...]]] = {}
         self.reused = 0  # picks answered with a larger shape already used
 
-    def pick(self, key: Hashable, dims: tuple[int, ...], limit: int | None = None) -> tuple[int, ...]:
+    def pick(self, key: Hashable, dims: tuple[int, ...], limit: int | None = None,
+             need: int | None = None) -> tuple[int, ...]:
         """dims (each >= 1), or the smallest already-used shape of `key` that covers them within
-        slack x their size (and <= limit, when given)."""
+        slack x their size, or x need when that is larger (and <= limit, when given)."""
         dims = tuple(int(d) for d in dims)
-        size = math.prod(dims)
+        size = max(math.prod(dims), need or 0)
         seen = self.used.setdefault(key, set())
         if dims not in seen:
             cap = self.slack * size if limit is None else min(self.slack * size, limit)

@@ -1,7 +1,8 @@
 """Compilation happens once: an identical batch of requests run again compiles nothing (no new
 executable of the engine's programs, no XLA compilation at all), for plain and speculative
 decoding, greedy and sampling, with logprobs and penalties; with prefix caching too, whose cache
-hits shorten the prefills of the repeated batch. (Across processes: tests/test_compile_cache.py.)"""
+hits shorten the prefills of the repeated batch, by more than shape reuse's 4x slack too (issue 13).
+(Across processes: tests/test_compile_cache.py.)"""
 from __future__ import annotations
 
 import jax
@@ -78,6 +79,45 @@ def test_second_identical_run_compiles_nothing(world, spec):
         assert c.n == 0, f"an identical run compiled {c.n} XLA executables"
     if spec:
         assert eng.stats()["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "spec"])
+def test_repeat_of_long_prompts_compiles_nothing(world, spec):
+    """Issue 13: prompts of 70 and 100 tokens prefill as [2, 128]; run again, the prefix cache holds
+    all but their last 2-4 tokens, whose bucket [2, 16] is 8x smaller (beyond the 4x slack of shape
+    reuse), and the second run compiled it. A prompt found whole in the cache counts as its uncached
+    length for the reuse (Scheduler.uncached_len): the repeats run on [2, 128] and compile nothing,
+    with the outputs of an engine without prefix caching. New text after a cached prefix still gets
+    its own short bucket (a shared system prompt keeps its short prefills)."""
+    cfg, model, _ = world
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(0, 96, size=n)] for n in (70, 100)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def engine(prefix_cache):
+        draft = Draft(model, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=2)) if spec else None
+        return Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=256, prefix_cache=prefix_cache),
+                      BatchOptions(max_batch=2), jnp.float32, draft=draft)
+
+    def run(eng, ps):
+        reqs = [Request(i, None, p, params, IdTokenizer(), (96,), 256, 7) for i, p in enumerate(ps)]
+        eng.run(reqs)
+        return [r.token_ids for r in reqs]
+
+    eng, ref = engine(True), engine(False)
+    expected = run(ref, prompts)
+    assert run(eng, prompts) == expected
+    compiled = eng.num_compiled()
+    for _ in range(2):
+        with CompileCounter() as c:
+            assert run(eng, prompts) == expected
+        assert eng.num_compiled() == compiled, "an identical run compiled a new program"
+        assert c.n == 0, f"an identical run compiled {c.n} XLA executables"
+    assert eng.stats()["prefix_cache_hit_tokens"] == 2 * (68 + 96)
+    new_text = [prompts[1][:80] + [int(t) for t in rng.integers(0, 96, size=20)]]  # 80 cached, 20 new tokens
+    assert run(eng, new_text) == run(ref, new_text)
+    prefills = set().union(*[v for k, v in eng.shapes.used.items() if k[0] == "prefill"])
+    assert (1, 32) in prefills
 
 
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "spec"])

@@ -32,6 +32,18 @@ def test_smallest_cover_wins_and_keys_and_limits_separate():
     assert r.pick("k", (1,)) == (1,)  # another rank never matches
 
 
+def test_need_widens_the_slack_not_the_limit():
+    r = ShapeReuse(slack=4)
+    r.pick("k", (4, 128))
+    assert r.pick("k", (4, 16)) == (4, 16)  # 8x its size: compiled
+    r = ShapeReuse(slack=4)
+    r.pick("k", (4, 128))
+    assert r.pick("k", (4, 16), need=4 * 128) == (4, 128)  # counted as 4 x 128: reused
+    assert r.pick("k", (2, 16), need=2 * 16) == (2, 16)  # a need no larger than the size changes nothing
+    assert r.pick("k", (4, 32), need=4 * 128, limit=256) == (4, 32)  # the limit still holds
+    assert r.reused == 1
+
+
 def test_bad_slack():
     with pytest.raises(ValueError, match="slack"):
         ShapeReuse(slack=0.5)
