@@ -80,7 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="default: 2048, or more to fit --long-prompt-tokens + --long-max-tokens")
     p.add_argument("--max-prefill-tokens", type=int, default=None,
-                   help="the server's prefill chunk budget (default: `specjax serve`'s)")
+                   help="tokens of one prefill call of the server (default: `specjax serve`'s)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="the server's longest piece of one prompt per prefill call (default: `specjax serve`'s)")
     p.add_argument("--long-prompt-tokens", type=int, default=4000,
                    help="the long prompt's tokens (0: no long-prompt run)")
     p.add_argument("--long-concurrency", type=int, default=16, help="streams decoding while the long prompt arrives")
@@ -122,6 +124,12 @@ def default_prefill_budget(help_text: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def default_prefill_chunk(help_text: str) -> int | None:
+    """`specjax serve`'s default --prefill-chunk, from its --help (None: no such flag)."""
+    m = re.search(r"--prefill-chunk PREFILL_CHUNK (?:(?!--).)*?\(default: (\d+)\)", help_text)
+    return int(m.group(1)) if m else None
+
+
 class Server:
     def __init__(self, a, mode: str, prefix_cache: bool | None):
         self.port = _free_port()
@@ -139,6 +147,8 @@ class Server:
             cmd += ["--no-prefix-cache"]
         if a.max_prefill_tokens is not None:
             cmd += ["--max-prefill-tokens", str(a.max_prefill_tokens)]
+        if a.prefill_chunk is not None:
+            cmd += ["--prefill-chunk", str(a.prefill_chunk)]
         log = open(a.server_log, "a") if a.server_log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env=child_env())
@@ -309,6 +319,7 @@ def main(argv=None) -> int:
         workloads[name] = fits
     help_text = serve_help()
     budget = a.max_prefill_tokens or default_prefill_budget(help_text)
+    piece = a.prefill_chunk or default_prefill_chunk(help_text) or budget
     if "--no-prefix-cache" in help_text:
         caches = {"both": [True, False], "on": [True], "off": [False]}[a.prefix_cache]
     else:
@@ -348,7 +359,7 @@ def main(argv=None) -> int:
                         res = asyncio.run(long_prompt_run(server, a, background,
                                                           long_prompt(tokenizer, a.long_prompt_tokens, str(i))))
                     res.update(mode=mode, prefix_cache=label, prefill_budget=budget,
-                               prefill_chunk=max(16, min(budget, a.max_seq_len)) if budget else None)  # Scheduler.chunk
+                               prefill_chunk=max(16, min(budget, piece, a.max_seq_len)) if budget else None)  # Scheduler.chunk
                     long_results.append(res)
                     print(f"[bench_serve] {mode} | long prompt: {res.get('long_prompt_tokens')} tokens, ITL p99 "
                           f"steady {res.get('itl_steady_p99_ms', math.nan):.1f} ms, during "

@@ -208,6 +208,10 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-tokens", type=positive_int, default=BatchOptions.max_prefill_tokens,
                    help="tokens of one prefill call; longer prompts are prefilled in chunks between the decode "
                         "steps of running requests (lower: steadier streams while long prompts arrive)")
+    g.add_argument("--prefill-chunk", type=positive_int, default=BatchOptions.prefill_chunk,
+                   help="the longest piece of one prompt in a prefill call; longer prompts are prefilled in "
+                        "chunks of this many tokens between decode steps (lower: steadier streams while a long "
+                        "prompt arrives; higher: its first token sooner)")
     from specjax.scheduler import SchedulerOptions
     g.add_argument("--no-device-dfa", dest="device_dfa", action="store_false",
                    help="regex / choice constraints through xgrammar on the host instead of token DFAs followed "
@@ -269,6 +273,7 @@ def llm_from_args(a, **more):
     return LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft,
                spec=a.spec, tensor_parallel=a.tensor_parallel, kv_compact_impl=a.kv_compact_impl,
                attention=a.attention, prefix_cache=a.prefix_cache, max_prefill_tokens=a.max_prefill_tokens,
+               prefill_chunk=a.prefill_chunk,
                speculate_below=a.speculate_below if a.draft is not None else "auto",
                min_accept=a.min_accept if a.draft is not None else "auto", **more)
 

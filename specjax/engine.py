@@ -79,8 +79,9 @@ class CacheOptions:
 @dataclasses.dataclass(frozen=True)
 class BatchOptions:
     max_batch: int = 8
-    max_prefill_tokens: int = 8192  # rows * padded length of one prefill call; longer prompts are
-    #                                 prefilled in chunks of this many tokens between decode steps
+    max_prefill_tokens: int = 8192  # rows * padded length of one prefill call (several prompts share one)
+    prefill_chunk: int = 2048  # the longest piece of one prompt in a prefill call: longer prompts are
+    #                            prefilled in chunks between decode steps (running streams keep flowing)
     steps_per_call: int = 8  # decode steps per dispatch; tokens past a request's stop are dropped
     spec_steps_per_call: int = 4  # fused speculative steps per dispatch (batches without grammars);
     #                               stop ids and length limits are checked on the device between them
@@ -93,6 +94,8 @@ class BatchOptions:
     probe_every: int = 8  # gated by min_accept: one fused dispatch after this many lite ones
 
     def __post_init__(self):
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         check_speculate_below(self.speculate_below)
         check_min_accept(self.min_accept)
         check_probe_every(self.probe_every)
@@ -198,7 +201,7 @@ class Engine(GrammarSteps, DFASteps):
         num_pages = cache_opts.num_pages or batch_opts.max_batch * pages_per_slot + 1
         self.sched = Scheduler(num_pages=num_pages, page_size=cache_opts.page_size, max_seq_len=cache_opts.max_seq_len,
                                max_batch=batch_opts.max_batch, max_prefill_tokens=batch_opts.max_prefill_tokens,
-                               ahead=ahead, advance=advance, tail=tail, prefix_caching=cache_opts.prefix_cache,
+                               prefill_chunk=batch_opts.prefill_chunk, ahead=ahead, advance=advance, tail=tail, prefix_caching=cache_opts.prefix_cache,
                                key_shift=draft.info.shift if draft is not None and draft.info.has_model else 0)
         self.kernels, kernel_note = self._choose_kernels(kv_compact_impl, num_pages, dtype)
         if draft is None:

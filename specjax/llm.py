@@ -99,6 +99,7 @@ class LLM:
                  draft: str | Path | None = None, spec=None, tensor_parallel: int = 1,
                  scheduler: SchedulerOptions | None = None, kv_compact_impl: str = "auto", attention="auto",
                  prefix_cache: bool = True, max_prefill_tokens: int = BatchOptions.max_prefill_tokens,
+                 prefill_chunk: int = BatchOptions.prefill_chunk,
                  speculate_below: int | None | str = "auto", min_accept: float | None | str = "auto"):
         """dtype: "auto" (float32 on the CPU, bfloat16 on GPUs and TPUs), "bfloat16" or "float32".
         draft: None (plain decoding), "self" (the target drafts for itself: for testing), "ngram"
@@ -118,8 +119,9 @@ class LLM:
         reference on CPU; see specjax.attention); `LLM.engine.attention_choice` says which.
         prefix_cache: reuse the KV pages of prompt prefixes already computed (a shared system
         prompt, earlier turns); outputs are those without it.
-        max_prefill_tokens: tokens (rows x padded length) of one prefill call; longer prompts are
-        prefilled in chunks between the decode steps of running requests.
+        max_prefill_tokens: tokens (rows x padded length) of one prefill call (several prompts share it).
+        prefill_chunk: the longest piece of one prompt in a prefill call; longer prompts are prefilled
+        in chunks between the decode steps of running requests (their streams keep flowing).
         speculate_below (with a draft): batches of this many rows or more run lite steps (plain
         decoding that keeps the draft in sync, switching back to speculation losslessly:
         specjax.dispatch_plan) instead of speculative ones; None: always speculate; "auto": from the
@@ -166,7 +168,7 @@ class LLM:
         if draft is not None:
             engine_draft = self._load_draft(draft, spec, module, dtype)
         self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages, prefix_cache),
-                             BatchOptions(max_batch, max_prefill_tokens, speculate_below=below, min_accept=gate), DTYPES[dtype],
+                             BatchOptions(max_batch, max_prefill_tokens, prefill_chunk, speculate_below=below, min_accept=gate), DTYPES[dtype],
                              draft=engine_draft, mesh=mesh,
                              sched=scheduler, grammar=self._grammar_compiler, kv_compact_impl=kv_compact_impl,
                              attention=attention)

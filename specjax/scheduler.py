@@ -105,16 +105,20 @@ def bucket(n: int, lo: int, hi: int) -> int:
 class Scheduler:
     def __init__(self, *, num_pages: int, page_size: int, max_seq_len: int, max_batch: int,
                  max_prefill_tokens: int, ahead: int, advance: int, tail: int = 0, prefix_caching: bool = False,
-                 key_shift: int = 0):
+                 key_shift: int = 0, prefill_chunk: int | None = None):
         """ahead: cache entries one step may touch past a slot's length (pages to hold);
         advance: the most one step adds to a slot's length; tail: cache entries a slot needs past
         max_seq_len (a speculative engine: its lookahead). prefix_caching: share the KV pages of
         cached prefixes; key_shift: tokens after a page that its content depends on (the draft's
-        shift, specjax.prefix_cache)."""
+        shift, specjax.prefix_cache); prefill_chunk: the longest piece of one prompt in a prefill call
+        (None: max_prefill_tokens)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.max_prefill_tokens = max_prefill_tokens
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk or max_prefill_tokens
         self.prefix_caching, self.key_shift = prefix_caching, key_shift
         self.prefix = PrefixStats()
         self.ahead, self.advance = ahead, advance
@@ -149,7 +153,7 @@ class Scheduler:
     @property
     def chunk(self) -> int:
         """The longest piece of one prefill call (prefill lengths are buckets up to it)."""
-        return max(MIN_PREFILL_LEN, min(self.max_prefill_tokens, self.max_seq_len))
+        return max(MIN_PREFILL_LEN, min(self.max_prefill_tokens, self.prefill_chunk, self.max_seq_len))
 
     def prefill_len(self, n: int) -> int:
         """Padded length of a prefill call whose longest piece has n tokens."""

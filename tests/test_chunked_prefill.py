@@ -105,6 +105,23 @@ def test_chunks_interleave_with_decode_steps(plain_eng):
     assert all(got > 0 for got in prefilling)  # the others' streams kept flowing
 
 
+def test_prefill_chunk_splits_one_prompt_within_a_large_budget(world, plain_eng):
+    """BatchOptions.prefill_chunk caps one prompt's piece per prefill call while the call's token
+    budget stays large (several short prompts still share a call): LONG arrives in 5 pieces of <= 32
+    tokens, the streams keep flowing, the outputs are the unchunked ones."""
+    ref, _ = arriving(plain_eng, 8192)
+    cfg, model = world
+    eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ),
+                 BatchOptions(max_batch=4, max_prefill_tokens=8192, prefill_chunk=CHUNK), jnp.float32)
+    assert eng.sched.chunk == CHUNK and eng.sched.max_prefill_tokens == 8192
+    reqs, log = arriving(eng, 8192)
+    assert [r.token_ids for r in reqs] == [r.token_ids for r in ref]
+    prefilling = [got for p, got in log if p]
+    assert len(prefilling) == -(-len(LONG) // CHUNK) - 1 and all(got > 0 for got in prefilling)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        BatchOptions(prefill_chunk=0)
+
+
 def test_short_prompts_batch_and_long_prompts_chunk_alike(plain_eng):
     """All at once: chunked (with and without the prefix cache) == unchunked."""
     prompts = [LONG] + SHORT + [LONG[:40], LONG[:33] + [7]]
