@@ -237,7 +237,7 @@ def summarize(recs, t_start) -> dict:
     errors = sorted({r["error"] for r in recs if r["error"]})
     return dict(completed=len(ok), failed=len(recs) - len(ok), errors=errors[:3], duration_s=dur,
                 req_per_s=len(ok) / dur, out_tok_per_s=tokens / dur, ttft_p50_ms=pct(ttft, 50),
-                ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(itl, 50), itl_p99_ms=pct(itl, 99),
+                ttft_p99_ms=pct(ttft, 99), ttft_mean_ms=sum(ttft) / len(ttft) if ttft else math.nan, itl_p50_ms=pct(itl, 50), itl_p99_ms=pct(itl, 99),
                 tpot_p50_ms=pct(tpot, 50))
 
 
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
                                   - m0.get("specjax_prefix_cache_hit_tokens_total", 0))
                         res.update(mode=mode, prefix_cache=label, workload=wname, rate=rate,
                                    tau=toks / steps if steps else None,
-                                   prefix_hit_rate=reused / looked if looked else None)
+                                   prefix_hit_rate=reused / looked if looked else None, **server_ttft(m0, m1))
                         results.append(res)
                         print(f"[bench_serve] {mode} | {wname} | rate {rate:g}: {res['out_tok_per_s']:.1f} tok/s, "
                               f"TTFT p50 {res['ttft_p50_ms']:.0f} ms, ITL p99 {res['itl_p99_ms']:.0f} ms"
@@ -377,6 +377,20 @@ def main(argv=None) -> int:
     return 0 if all(r["failed"] == 0 for r in results + long_results) else 1
 
 
+def server_ttft(m0: dict, m1: dict) -> dict:
+    """The server's own mean time to first token over a run and its phases (ms; /metrics deltas):
+    what the client's TTFT spends outside the server is the difference."""
+    name = "specjax_time_to_first_token"
+    n = m1.get(f"{name}_seconds_count", 0) - m0.get(f"{name}_seconds_count", 0)
+    if not n:
+        return {}
+    out = {"server_ttft_mean_ms": (m1[f"{name}_seconds_sum"] - m0.get(f"{name}_seconds_sum", 0)) * 1e3 / n}
+    for p in ("prepare", "pickup", "engine"):
+        key = f'{name}_phase_seconds_total{{phase="{p}"}}'
+        out[f"server_ttft_{p}_ms"] = (m1.get(key, 0) - m0.get(key, 0)) * 1e3 / n
+    return out
+
+
 def print_table(results, a) -> None:
     print(f"\n{a.num_requests} requests x {a.max_tokens} output tokens, {a.dtype}, max_batch {a.max_batch}, "
           f"max_seq_len {a.max_seq_len}\n")
@@ -389,6 +403,16 @@ def print_table(results, a) -> None:
         print(f"| {r['mode']} | {r['prefix_cache']} | {r['workload']} | {r['rate']:g} | {r['completed']} | "
               f"{r['req_per_s']:.2f} | {r['out_tok_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
               f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['tpot_p50_ms']:.1f} | {tau} | {hit} |")
+    rows = [r for r in results if "server_ttft_mean_ms" in r]
+    if rows:
+        print("\nTime to first token inside the server (mean ms, from /metrics; the rest of the client's TTFT is "
+              "HTTP and the client)\n")
+        print("| mode | prefix cache | rate | client TTFT mean | server TTFT mean | prepare | pickup | engine |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['mode']} | {r['prefix_cache']} | {r['rate']:g} | {r.get('ttft_mean_ms', math.nan):.1f} | "
+                  f"{r['server_ttft_mean_ms']:.1f} | {r['server_ttft_prepare_ms']:.1f} | "
+                  f"{r['server_ttft_pickup_ms']:.1f} | {r['server_ttft_engine_ms']:.1f} |")
 
 
 def print_goals(results, long_results, a) -> None:

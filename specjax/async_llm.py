@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import queue
 import threading
+import time
 import traceback
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -53,6 +54,9 @@ class RequestDelta:
     output: RequestOutput | None = None
 
 
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)  # seconds
+
+
 @dataclasses.dataclass
 class EngineStats:
     """Counters since start and gauges after the last engine step (written by the engine thread).
@@ -67,6 +71,24 @@ class EngineStats:
     kv_pages_used: int = 0  # distinct pages held by requests (a page shared through the prefix cache: once)
     kv_pages_total: int = 0
     engine: dict = dataclasses.field(default_factory=dict)
+    # time to first token, measured in this process, by phase (seconds summed over first tokens):
+    # "prepare" add_request until queued (validation, tokenization, constraint compile), "pickup" queued
+    # until the engine thread takes it (it was inside a step), "engine" taken until its first token is
+    # handed to the caller's loop (waiting for the running dispatch, prefill, reading the result)
+    ttft_count: int = 0
+    ttft_phase_s: Counter = dataclasses.field(default_factory=Counter)
+    ttft_hist: Counter = dataclasses.field(default_factory=Counter)  # first tokens by TTFT_BUCKETS bound
+
+    def observe_first_token(self, stamps: dict) -> None:
+        """A request's first token: stamps {received, queued, taken, first} (time.perf_counter())."""
+        self.ttft_count += 1
+        for phase, a, b in (("prepare", "received", "queued"), ("pickup", "queued", "taken"),
+                            ("engine", "taken", "first")):
+            self.ttft_phase_s[phase] += stamps[b] - stamps[a]
+        total = stamps["first"] - stamps["received"]
+        for le in TTFT_BUCKETS:
+            if total <= le:
+                self.ttft_hist[le] += 1
 
     def observe(self, engine, waiting_outside: int) -> None:
         st = engine.stats()
@@ -87,6 +109,7 @@ class RequestStream:
         self._loop, self._inbox = loop, inbox
         self._queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._done = False
+        self.stamps: dict[str, float] = {}  # time to first token by phase (EngineStats.observe_first_token)
 
     @property
     def finished(self) -> bool:
@@ -165,6 +188,7 @@ class AsyncLLM:
         max_prompt_tokens: a limit below the context's."""
         if self.error is not None:
             raise EngineDeadError(self.error)
+        received = time.perf_counter()
         try:
             req = self.llm._request(prompt, params or SamplingParams(), index)
         except (TypeError, ValueError) as e:
@@ -182,6 +206,7 @@ class AsyncLLM:
             except (GrammarError, ValueError) as e:
                 raise RequestError(str(e)) from None
         stream = RequestStream(req, asyncio.get_running_loop(), self._inbox)
+        stream.stamps.update(received=received, queued=time.perf_counter())
         self._inbox.put(("add", req, stream))
         return stream
 
@@ -252,6 +277,7 @@ class AsyncLLM:
     def _apply(self, cmd) -> None:
         if cmd[0] == "add":
             _, req, stream = cmd
+            stream.stamps["taken"] = time.perf_counter()
             self._streams[req.id] = stream
             self.engine.add_request(req)
         elif cmd[0] == "cancel":
@@ -275,6 +301,9 @@ class AsyncLLM:
                 continue
             delta = RequestDelta(req.id, text, tokens, logprobs, req.finish_reason, req.error,
                                  req.output() if req.finished else None)
+            if tokens and "first" not in stream.stamps and "taken" in stream.stamps:
+                stream.stamps["first"] = time.perf_counter()
+                self.stats.observe_first_token(stream.stamps)
             if req.finished:
                 del self._streams[req.id]
             if not stream._deliver(delta) and not req.finished:

@@ -18,6 +18,25 @@ def _family(lines: list[str], name: str, kind: str, help_text: str, samples) -> 
         lines.append(f"{name}{{{label}}} {value}" if label else f"{name} {value}")
 
 
+def _ttft(out: list[str], s) -> None:
+    """Time to first token as this process sees it (request received -> first token handed to the
+    HTTP side; the HTTP transfer and the client are not in it), a histogram, and its phases."""
+    from specjax.async_llm import TTFT_BUCKETS
+    name = "specjax_time_to_first_token_seconds"
+    out.append(f"# HELP {name} Time from a request's arrival in the engine API to its first token, in this process.")
+    out.append(f"# TYPE {name} histogram")
+    for le in TTFT_BUCKETS:
+        out.append(f'{name}_bucket{{le="{le}"}} {s.ttft_hist[le]}')
+    out.append(f'{name}_bucket{{le="+Inf"}} {s.ttft_count}')
+    out.append(f"{name}_sum {sum(s.ttft_phase_s.values()):.6f}")
+    out.append(f"{name}_count {s.ttft_count}")
+    _family(out, "specjax_time_to_first_token_phase_seconds_total", "counter",
+            "Time to first token by phase, summed over first tokens: prepare (validation, tokenization, "
+            "constraint compile), pickup (queued until the engine thread takes it: a step was running), "
+            "engine (taken until its first token: the running dispatch, the prefill, reading it).",
+            [({"phase": p}, f"{s.ttft_phase_s[p]:.6f}") for p in ("prepare", "pickup", "engine")])
+
+
 def render_metrics(llm, state) -> str:
     """llm: specjax.async_llm.AsyncLLM; state: the server's counters (in_flight, responses, prompt_tokens)."""
     s = llm.stats
@@ -64,6 +83,7 @@ def render_metrics(llm, state) -> str:
             _family(out, "specjax_spec_tau", "gauge",
                     "Mean acceptance length: tokens per speculative step (bonus token included).",
                     [({}, f"{s.spec_tokens / s.spec_steps:.4f}")])
+    _ttft(out, s)
     enabled = bool(e["prefix_cache"])
     _family(out, "specjax_prefix_cache_enabled", "gauge", "1 if prompt prefixes reuse cached KV pages.",
             [({}, int(enabled))])

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from specjax import LLM, SamplingParams
-from specjax.async_llm import AsyncLLM, RequestError
+from specjax.async_llm import TTFT_BUCKETS, AsyncLLM, RequestError
 from specjax.server import ServerConfig, build_app
 from server_utils import ServerThread, wait_for, wait_idle
 
@@ -285,5 +285,13 @@ def test_metrics_and_nothing_leaked(env):
     assert values["specjax_prefix_cache_hit_rate"] == pytest.approx(st["prefix_cache_hit_rate"], abs=1e-4)
     assert values["specjax_kv_pages_cached"] == st["pages_cached"] > 0
     assert values["specjax_prefill_tokens_total"] == st["prefill_tokens"]
+    # time to first token: every request that got a token was counted once, its phases sum to the total
+    n = values["specjax_time_to_first_token_seconds_count"]
+    assert n == engine.stats.ttft_count >= NUM_CLIENTS and values['specjax_time_to_first_token_seconds_bucket{le="+Inf"}'] == n
+    phases = [values[f'specjax_time_to_first_token_phase_seconds_total{{phase="{p}"}}'] for p in ("prepare", "pickup", "engine")]
+    assert all(v >= 0 for v in phases) and phases[2] > 0
+    assert values["specjax_time_to_first_token_seconds_sum"] == pytest.approx(sum(phases), abs=1e-5)
+    buckets = [values[f'specjax_time_to_first_token_seconds_bucket{{le="{le}"}}'] for le in TTFT_BUCKETS]
+    assert buckets == sorted(buckets) and buckets[-1] <= n  # cumulative
     assert not eng.has_unfinished() and all(s is None for s in eng.slots)
     assert sum(map(len, eng.alloc.owned)) == 0 and eng.alloc.num_free == values["specjax_kv_pages_total"]

@@ -85,3 +85,25 @@ def test_prefix_cache_off_exports_no_prefix_figures(world):
     assert m["specjax_prefix_cache_enabled"] == 0
     assert not [k for k in m if k.startswith("specjax_prefix_cache_") and k != "specjax_prefix_cache_enabled"]
     assert m["specjax_kv_pages_cached"] == m["specjax_kv_pages_used"] == 0
+
+
+def test_time_to_first_token_histogram_and_phases():
+    """EngineStats.observe_first_token: cumulative buckets, +Inf = count, sum = the phases' sum."""
+    from specjax.async_llm import TTFT_BUCKETS
+    stats = EngineStats()
+    for prep, pick, eng in ((0.001, 0.002, 0.004), (0.002, 0.0, 0.05), (0.5, 1.0, 20.0)):
+        stats.observe_first_token(dict(received=10.0, queued=10.0 + prep, taken=10.0 + prep + pick,
+                                       first=10.0 + prep + pick + eng))
+    stats.engine = {"prefilling": 0, "pages_cached": 0, "prefill_tokens": 0, "num_preempted": 0, "prefix_cache": False}
+    text = render_metrics(types.SimpleNamespace(stats=stats, error=None, speculative=False),
+                          types.SimpleNamespace(responses=Counter(), in_flight=0, prompt_tokens=0))
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    name = "specjax_time_to_first_token_seconds"
+    got = {le: values[f'{name}_bucket{{le="{le}"}}'] for le in TTFT_BUCKETS}
+    assert got[0.005] == 0 and got[0.01] == 1 and got[0.04] == 1 and got[0.08] == 2 and got[10.24] == 2
+    assert values[f'{name}_bucket{{le="+Inf"}}'] == values[f"{name}_count"] == 3
+    assert values[f"{name}_sum"] == pytest.approx(0.007 + 0.052 + 21.5, abs=1e-5)
+    phase = "specjax_time_to_first_token_phase_seconds_total"
+    assert values[f'{phase}{{phase="prepare"}}'] == pytest.approx(0.503, abs=1e-6)
+    assert values[f'{phase}{{phase="pickup"}}'] == pytest.approx(1.002, abs=1e-6)
+    assert values[f'{phase}{{phase="engine"}}'] == pytest.approx(20.054, abs=1e-6)
