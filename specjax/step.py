@@ -497,7 +497,7 @@ def accept(spec: SpecConfig | TreeShape, state: SpecState, ver: Verified, slots,
     dv = node_states = None
     if dfa:
         dv = dfa_lib.view(state.dfa, rs)
-        node_states = dfa_lib.tree_states(dv, tree.tokens, tree.parents)  # [B, N]
+        node_states = dfa_lib.tree_states(dv, tree.tokens, tree.parents, max_depth=S)  # [B, N]
         logits = dfa_lib.mask_logits(logits, dv, node_states)
     q = state.draft_probs[rs] if (stochastic and state.draft_probs is not None) else None
     acc, n, bonus = verify.verify_tree(tree, logits, samp, L, draft_probs=q, stochastic=stochastic)

@@ -93,6 +93,64 @@ def test_device_ops_follow_the_token_dfa():
         np.testing.assert_array_equal(np.isfinite(per_node[i]), td.allowed(s) if s >= 0 else np.ones(97, bool))
 
 
+def _random_tables(rng, M, V, S, C):
+    """Tables of M slots with random class maps and transitions (about one move in S forbidden), and
+    random start states (some -1: no DFA)."""
+    t = dfa_lib.init_tables(M, V, S, C)
+    return dfa_lib.admit(t, jnp.arange(M, dtype=jnp.int32), jnp.asarray(rng.integers(0, C, (M, V))),
+                         jnp.asarray(rng.integers(-1, S, (M, S, C)), jnp.int32),
+                         jnp.asarray(rng.integers(-1, S, M), jnp.int32))
+
+
+@pytest.mark.parametrize("mid", [(), (1,), (5,), (2, 3), (32,), (33,), (70,)])
+def test_packed_mask_equals_the_gather(mid):
+    """mask_logits (the nodes' allowed classes packed 32 to a word) equals mask_logits_reference (one
+    gather per row, node and token) bit for bit: per-row states [B] and per-node states [B, ...] of
+    any count (one word, several, a partial last one), states -1 unmasked, float32 and bfloat16."""
+    rng = np.random.default_rng(len(mid) * 100 + sum(mid))
+    M, V, S, C, B = 5, 300, 12, 40, 4
+    t = _random_tables(rng, M, V, S, C)
+    v = dfa_lib.view(t, jnp.asarray([3, 0, 3, 4], jnp.int32))
+    states = None if not mid else jnp.asarray(rng.integers(-1, S, (B,) + mid), jnp.int32)
+    for dt in (jnp.float32, jnp.bfloat16):
+        logits = jnp.asarray(rng.normal(size=(B,) + mid + (V,)), dt)
+        got, want = dfa_lib.mask_logits(logits, v, states), dfa_lib.mask_logits_reference(logits, v, states)
+        assert got.dtype == dt and got.shape == logits.shape
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        frac = float(jnp.mean(jnp.isinf(got.astype(jnp.float32))))
+        assert 0.05 < frac < 0.95  # both allowed and forbidden tokens
+    if states is not None:  # state -1: nothing masked
+        neg = jnp.full_like(states, -1)
+        np.testing.assert_array_equal(np.asarray(dfa_lib.mask_logits(logits, v, neg)), np.asarray(logits))
+    assert dfa_lib.mask_logits(logits, None) is logits
+
+
+@pytest.mark.parametrize("N", [1, 2, 5, 17, 40])
+def test_unrolled_tree_states_equal_the_loop(N):
+    """tree_states (max_depth relaxation rounds, unrolled) equals tree_states_reference (node by node
+    in a device loop) on chains and random trees, with the trees' depth bound and without (N - 1);
+    -1 below forbidden tokens and for rows without a DFA."""
+    rng = np.random.default_rng(N)
+    M, V, S, C, B = 4, 200, 10, 30, 6
+    t = _random_tables(rng, M, V, S, C)
+    v = dfa_lib.view(t, jnp.asarray(rng.integers(0, M, B), jnp.int32))
+    tokens = jnp.asarray(rng.integers(0, V, (B, N)), jnp.int32)
+    chain = np.tile(np.arange(-1, N - 1), (B, 1))
+    tree = np.full((B, N), -1)
+    depth = np.zeros((B, N), int)
+    for i in range(1, N):
+        tree[:, i] = rng.integers(max(0, i - 3), i, B)
+        depth[:, i] = depth[np.arange(B), tree[:, i]] + 1
+    for parents, max_depth in ((chain, N - 1), (tree, int(depth.max()))):
+        parents = jnp.asarray(parents, jnp.int32)
+        want = np.asarray(dfa_lib.tree_states_reference(v, tokens, parents))
+        assert want[:, 0].tolist() == np.asarray(v.state).tolist()
+        if N > 2:
+            assert (want[:, 1:] == -1).any() and (want[:, 1:] >= 0).any()
+        np.testing.assert_array_equal(np.asarray(dfa_lib.tree_states(v, tokens, parents)), want)
+        np.testing.assert_array_equal(np.asarray(dfa_lib.tree_states(v, tokens, parents, max_depth=max_depth)), want)
+
+
 def _masked_law(logits, allowed, temperature):
     z = np.where(allowed, logits / temperature, -np.inf)
     p = np.exp(z - z.max())
