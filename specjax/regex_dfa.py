@@ -23,8 +23,10 @@ possessive quantifiers, ``\\b \\B \\A \\Z``, anchors elsewhere) raises :class:`R
 a pattern Python rejects raises :class:`RegexError`.
 
 ``xgrammar=True`` takes xgrammar's meaning (``xgrammar.Grammar.from_regex``) where it differs from
-Python's and the difference is cheap to follow: ``.`` matches every character (``\\n`` included)
-and ``\\s`` also matches U+00A0 (``\\S`` then excludes it).
+Python's and the difference is cheap to follow: ``.`` matches every character (``\\n`` included),
+``\\s`` also matches U+00A0 (``\\S`` then excludes it), and sets spanning surrogate code points
+(U+D800..U+DFFF: ``.``, negated classes) match their 3-byte encodings (ED A0..BF 80..BF), which
+xgrammar's matcher allows although they are not valid UTF-8.
 """
 from __future__ import annotations
 
@@ -100,8 +102,8 @@ def _negate(ranges) -> tuple:
 
 def _utf8_split(lo: int, hi: int) -> list[tuple]:
     """Byte-range sequences ((b0lo, b0hi), (b1lo, b1hi), ...) whose byte strings are exactly the UTF-8
-    encodings of the code points lo..hi (same encoded length, no surrogates inside): the range is cut
-    until below each continuation byte position it spans the whole 0x80..0xBF."""
+    encodings of the code points lo..hi (same encoded length; surrogates in their 3-byte form): the
+    range is cut until below each continuation byte position it spans the whole 0x80..0xBF."""
     for i in (1, 2, 3):
         m = (1 << (6 * i)) - 1
         if lo & ~m != hi & ~m:
@@ -109,14 +111,15 @@ def _utf8_split(lo: int, hi: int) -> list[tuple]:
                 return _utf8_split(lo, lo | m) + _utf8_split((lo | m) + 1, hi)
             if hi & m != m:
                 return _utf8_split(lo, (hi & ~m) - 1) + _utf8_split(hi & ~m, hi)
-    return [tuple(zip(chr(lo).encode(), chr(hi).encode()))]
+    return [tuple(zip(chr(lo).encode("utf-8", "surrogatepass"), chr(hi).encode("utf-8", "surrogatepass")))]
 
 
-def _utf8_seqs(ranges) -> list[tuple]:
-    """The byte-range sequences of a code-point set (surrogates dropped: they have no UTF-8 form)."""
+def _utf8_seqs(ranges, surrogates: bool = False) -> list[tuple]:
+    """The byte-range sequences of a code-point set. Surrogates have no UTF-8 form: dropped, or with
+    surrogates=True spelled as other 3-byte code points (ED A0..BF 80..BF), as xgrammar's classes do."""
     seqs = []
     for lo, hi in ranges:
-        for a, b in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi)):
+        for a, b in ((lo, hi),) if surrogates else ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi)):
             for cut_lo, cut_hi in ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, MAX_CP)):
                 if max(a, cut_lo) <= min(b, cut_hi):
                     seqs += _utf8_split(max(a, cut_lo), min(b, cut_hi))
@@ -247,8 +250,9 @@ class _Parser:
 class _NFA:
     """Thompson NFA over bytes: per state its epsilon targets and its (lo, hi, target) byte edges."""
 
-    def __init__(self, limit: int, pattern: str):
+    def __init__(self, limit: int, pattern: str, surrogates: bool = False):
         self.eps, self.edges, self.limit, self.pattern = [], [], limit, pattern
+        self.surrogates = surrogates  # code-point sets keep their surrogates (_utf8_seqs)
 
     def new(self) -> int:
         if len(self.eps) >= self.limit:
@@ -268,7 +272,7 @@ class _NFA:
         kind, s = node[0], self.new()
         if kind == "set":
             e = self.new()
-            for seq in _utf8_seqs(node[1]):  # a chain of byte ranges per sequence, from s to e
+            for seq in _utf8_seqs(node[1], self.surrogates):  # a chain of byte ranges per sequence, from s to e
                 cur = s
                 for lo, hi in seq[:-1]:
                     self.edges[cur].append((lo, hi, cur := self.new()))
@@ -390,7 +394,7 @@ def compile_regex(pattern: str, max_states: int = 4096, *, xgrammar: bool = Fals
             re.compile(pattern)
     except (re.error, OverflowError) as e:
         raise RegexError(f"invalid regex {pattern!r}: {e}") from None
-    nfa = _NFA(max(64 * max_states, 1 << 16), pattern)
+    nfa = _NFA(max(64 * max_states, 1 << 16), pattern, surrogates=xgrammar)
     start, final = nfa.build(_Parser(pattern, xgrammar).alt())
     trans, accept = _minimize(*_subset(nfa, start, final, max_states, pattern))
     if not accept.shape[0]:

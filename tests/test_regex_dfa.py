@@ -126,6 +126,9 @@ def test_dot_and_space_xgrammar_meaning():
     assert not compile_regex(r"\s").matches(nbsp) and compile_regex(r"\S").matches(nbsp)
     assert compile_regex(r"\s", xgrammar=True).matches(nbsp) and not compile_regex(r"\S", xgrammar=True).matches(nbsp)
     assert compile_regex(r"[^\s]", xgrammar=True).matches(b"a") and not compile_regex(r"[^\s]", xgrammar=True).matches(nbsp)
+    surrogate = "\ud800".encode("utf-8", "surrogatepass")  # ED A0 80: xgrammar's wide classes allow it
+    for p in [".", "[^a]", r"[\u0800-\uffff]", r"\S"]:
+        assert not compile_regex(p).matches(surrogate) and compile_regex(p, xgrammar=True).matches(surrogate), p
 
 
 def test_choice_regex():
