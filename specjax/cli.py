@@ -214,8 +214,8 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                         "prompt arrives; higher: its first token sooner)")
     from specjax.scheduler import SchedulerOptions
     g.add_argument("--no-device-dfa", dest="device_dfa", action="store_false",
-                   help="regex / choice constraints through xgrammar on the host instead of token DFAs followed "
-                        "on the device (same outputs; the device path needs no host work per token)")
+                   help="regex / choice / JSON-schema constraints through xgrammar on the host instead of token "
+                        "DFAs followed on the device (same outputs; the device path needs no host work per token)")
     g.add_argument("--dfa-max-states", type=positive_int, default=SchedulerOptions.dfa_max_states, metavar="N",
                    help="device DFA tables: states per slot (a constraint with more takes the host path)")
     g.add_argument("--dfa-max-classes", type=positive_int, default=SchedulerOptions.dfa_max_classes, metavar="N",

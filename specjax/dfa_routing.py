@@ -1,19 +1,24 @@
-"""Which regex / choice constraints run on the device DFA (specjax.device_dfa), and their tables.
+"""Which regex / choice / JSON-schema constraints run on the device DFA (specjax.device_dfa), and
+their tables.
 
 `DFARouter.route(key, tokenizer_info, eos_ids)` gives a request's token DFA (specjax.token_dfa),
 or the reason it takes the host grammar path (specjax.grammar, xgrammar) instead:
 
-    kind not regex / choice     JSON schemas and EBNF grammars: host (not a fallback, not counted)
+    kind grammar (EBNF)         host (not a fallback, not counted)
     RegexUnsupported            a construct specjax.regex_dfa does not compile: host, counted
-    RegexError                  invalid for Python's re: host, where xgrammar decides (it fails the
-                                request with its reason, as without device DFAs), counted
+    SchemaUnsupported           a JSON schema outside specjax.json_schema_regex's subset (or invalid
+                                there): host, counted
+    RegexError, GrammarError    invalid (for Python's re; a converted schema that xgrammar or jsonschema
+                                rejects): host, where xgrammar decides (it fails the request with its
+                                reason, as without device DFAs), counted
     over the limits             more DFA states than max_states, or token classes than max_classes
                                 (the static shapes of the device tables): host, counted
 
 Choices become the regex of their alternatives (regex_dfa.choice_regex: the same strings as the
-host path's EBNF). Patterns take xgrammar's meaning (compile_regex(xgrammar=True)), so both paths
-allow the same tokens. Token DFAs (and their padded tables) are kept in a small LRU cache by
-(constraint, EOS ids, vocabulary size).
+host path's EBNF), JSON schemas the regex of xgrammar's grammar for them
+(json_schema_regex.schema_regex: the same language). Patterns take xgrammar's meaning
+(compile_regex(xgrammar=True)), so both paths allow the same tokens. Token DFAs (and their padded
+tables) are kept in a small LRU cache by (constraint, EOS ids, vocabulary size).
 """
 from __future__ import annotations
 
@@ -23,13 +28,21 @@ import threading
 
 import numpy as np
 
+from specjax.grammar import GrammarError, build_grammar
+from specjax.json_schema_regex import SchemaUnsupported, schema_regex
 from specjax.regex_dfa import RegexError, RegexUnsupported, choice_regex, compile_regex
 from specjax.token_dfa import TokenDFA, build_token_dfa, vocab_token_bytes
 
 __all__ = ["DFARouter", "DeviceDFA", "DFA_KINDS"]
 
-DFA_KINDS = ("regex", "choice")
+DFA_KINDS = ("regex", "choice", "json_schema")
 _BYTE_STATES = 4096  # the subset construction's own limit (compile_regex)
+
+
+def _short(err, limit: int = 300) -> str:
+    """An error's message, cut (a JSON schema's regex can be long)."""
+    text = str(err)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class DeviceDFA:
@@ -98,12 +111,19 @@ class DFARouter:
 
     def _build(self, kind, text, tokenizer_info, eos, max_states) -> tuple[DeviceDFA | None, str | None]:
         try:
-            pattern = text if kind == "regex" else choice_regex(json.loads(text))
+            if kind == "json_schema":  # (converted first: xgrammar may take long on what it leaves to the host)
+                pattern = schema_regex(text)
+                build_grammar(("json_schema", text))  # a schema the host path rejects stays its to reject
+            else:
+                pattern = text if kind == "regex" else choice_regex(json.loads(text))
             byte_dfa = compile_regex(pattern, max(_BYTE_STATES, max_states), xgrammar=True)
+        except SchemaUnsupported as e:
+            return None, f"json_schema not supported on the device: {e}"
         except RegexUnsupported as e:
-            return None, f"regex not supported on the device: {e}"
-        except (RegexError, ValueError) as e:  # invalid: the host path reports it as it always did
-            return None, f"invalid {kind} for the device DFA compiler: {e}"
+            what = "json_schema" if kind == "json_schema" else "regex"
+            return None, f"{what} not supported on the device: {_short(e)}"
+        except (RegexError, GrammarError, ValueError) as e:  # invalid: the host path reports it as it always did
+            return None, f"invalid {kind} for the device DFA compiler: {_short(e)}"
         if byte_dfa.num_states > max_states:  # checked before the (costlier) lift to tokens
             return None, f"{byte_dfa.num_states} DFA states > dfa_max_states={max_states}"
         token_bytes = self._bytes(tokenizer_info)

@@ -29,9 +29,9 @@ so all make the same decisions and dispatch the same programs.
 
 Batches with grammar-constrained rows: specjax.engine_grammar (one step per dispatch, the masks and
 grammar drafts computed on the host while the target forward runs; a grammar that raises fails only
-its request). Regex / choice constraints run on the device instead where they compile to a token DFA
-within the limits (specjax.engine_dfa, specjax.device_dfa): such rows need no host work per token
-and their batches run the multi-step programs. Host time per phase: `Engine.stats()`
+its request). Regex / choice / JSON-schema constraints run on the device instead where they compile
+to a token DFA within the limits (specjax.engine_dfa, specjax.device_dfa): such rows need no host
+work per token and their batches run the multi-step programs. Host time per phase: `Engine.stats()`
 (specjax.host_timing).
 """
 from __future__ import annotations

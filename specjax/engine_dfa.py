@@ -1,17 +1,18 @@
-"""The device-DFA part of the engine (specjax.engine): regex / choice constraints followed on the
-device (specjax.device_dfa), so their rows need no host grammar work per token.
+"""The device-DFA part of the engine (specjax.engine): regex / choice / JSON-schema constraints
+followed on the device (specjax.device_dfa), so their rows need no host grammar work per token.
 
 `DFASteps` is a base class of specjax.engine.Engine, on the engine's own state:
 
-* `_attach_constraint` (add_request): with SchedulerOptions(device_dfa=True) (the default) a regex or
-  choice constraint is compiled to a token DFA within the static limits (specjax.dfa_routing; cached
-  per constraint, on the engine's thread; a matcher attached by the caller, as specjax.async_llm
-  does after validating the constraint in its time-bounded worker, is then dropped); the request
-  then carries the DFA (`Request.dfa`, `constraint_path` "device_dfa") and no matcher: its batches
-  run the unconstrained programs (several steps per dispatch) with the static flag `dfa`. Otherwise
-  it takes the host grammar path (specjax.engine_grammar; `constraint_path` "host_grammar"); a
-  regex / choice that could not go to the device says why (`Request.dfa_fallback`, logged) and is
-  counted (stats: dfa_fallbacks). An invalid constraint fails its request there, as without DFAs.
+* `_attach_constraint` (add_request): with SchedulerOptions(device_dfa=True) (the default) a regex,
+  choice or JSON-schema constraint is compiled to a token DFA within the static limits
+  (specjax.dfa_routing; cached per constraint, on the engine's thread; a matcher attached by the
+  caller, as specjax.async_llm does after validating the constraint in its time-bounded worker, is
+  then dropped); the request then carries the DFA (`Request.dfa`, `constraint_path` "device_dfa")
+  and no matcher: its batches run the unconstrained programs (several steps per dispatch) with the
+  static flag `dfa`. Otherwise it takes the host grammar path (specjax.engine_grammar;
+  `constraint_path` "host_grammar"); a regex / choice / schema that could not go to the device says
+  why (`Request.dfa_fallback`, logged) and is counted (stats: dfa_fallbacks). An invalid constraint
+  fails its request there, as without DFAs.
 * `_admit_dfa` (prefill admissions): the tables of the admitted DFA requests are written in one
   device update (device_dfa.admit), with the state after what the admission prefills (0 for a new
   request; a preempted one walks its generated tokens, once, on the host); every other admitted slot

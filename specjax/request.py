@@ -26,7 +26,7 @@ class RequestOutput:
     error: str | None = None  # why the request failed (finish_reason "error")
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first admission)
     constraint_path: str | None = None  # a constrained request: "device_dfa" or "host_grammar" (specjax.engine_dfa)
-    dfa_fallback: str | None = None  # why a regex / choice constraint did not run on the device DFA
+    dfa_fallback: str | None = None  # why a regex / choice / schema constraint did not run on the device DFA
 
 
 class Request:
@@ -62,7 +62,7 @@ class Request:
         self.grammar = None  # specjax.grammar.RequestGrammar of a constrained request
         self.dfa = None  # specjax.dfa_routing.DeviceDFA: the constraint runs on the device (no matcher here)
         self.constraint_path: str | None = None  # "device_dfa" | "host_grammar" for a constrained request
-        self.dfa_fallback: str | None = None  # why a regex / choice constraint took the host path
+        self.dfa_fallback: str | None = None  # why a regex / choice / schema constraint took the host path
         # engine / scheduler bookkeeping
         self.slot: int | None = None
         self.arrival = 0  # submission order (preemption retracts the youngest)

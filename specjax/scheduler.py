@@ -50,11 +50,11 @@ class SchedulerOptions:
     #                              continuations into the trees (specjax.grammar_drafts; the n-gram drafter
     #                              takes none)
     mask_threads: int | None = None  # host threads for grammar masks (None: grammar_masks.default_threads())
-    device_dfa: bool = True  # regex / choice constraints as token DFAs followed on the device (specjax.device_dfa:
-    #                          no host work per token); those that do not compile or exceed the limits below take
-    #                          the host grammar path, counted (Engine.stats: dfa_fallbacks)
-    dfa_max_states: int = 128  # static shape limits of the per-slot DFA tables (next [S, C] int32 per slot)
-    dfa_max_classes: int = 256
+    device_dfa: bool = True  # regex / choice / JSON-schema constraints as token DFAs followed on the device
+    #                          (specjax.device_dfa: no host work per token); those that do not compile or exceed
+    #                          the limits below take the host grammar path, counted (Engine.stats: dfa_fallbacks)
+    dfa_max_states: int = 512  # static shape limits of the per-slot DFA tables (next [S, C] int32 per slot:
+    dfa_max_classes: int = 256  # 512 KiB); JSON schemas need ~15 states per string field (bench_engine's: 164)
 
     def __post_init__(self):
         for name in ("dfa_max_states", "dfa_max_classes"):

@@ -12,6 +12,7 @@ from tiny_dir import make_tiny_model_dir
 import specjax.llm
 from specjax import machine
 from specjax.cli import main
+from specjax.scheduler import SchedulerOptions
 
 
 @pytest.fixture(scope="module")
@@ -162,19 +163,20 @@ def _jsonl(tmp_path, prompts):
 
 
 @pytest.mark.parametrize("extra, expect", [
-    ([], (True, 128, 256)),
+    ([], (True, SchedulerOptions.dfa_max_states, SchedulerOptions.dfa_max_classes)),
     (["--no-device-dfa", "--dfa-max-states", "64", "--dfa-max-classes", "32"], (False, 64, 32)),
 ])
 def test_device_dfa_flags_reach_the_scheduler(tiny, monkeypatch, extra, expect):
     """--no-device-dfa / --dfa-max-states / --dfa-max-classes become the LLM's SchedulerOptions."""
-    import specjax
     seen = {}
 
     class Capture:
         def __init__(self, *a, **k):
             seen.update(k)
             raise SystemExit(0)
-    monkeypatch.setattr(specjax, "LLM", Capture)
+    # (not specjax.LLM: its undo would leave the real class as an attribute of specjax, shadowing its
+    # lazy __getattr__ and so later patches of specjax.llm.LLM, e.g. in test_grammar_smollm2)
+    monkeypatch.setattr(specjax.llm, "LLM", Capture)
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tiny), "--prompt", "w5", "--regex", "w[0-9]", *extra])
     s = seen["scheduler"]

@@ -5,7 +5,7 @@ random model of tests/test_grammar_engine.py (97 single-character tokens that xg
 * masked sampling draws from the renormalised masked distribution (chi-square), plain and through
   tree verification (the node states mask the target), never a forbidden token;
 * through the engine: greedy outputs with the device DFA equal the xgrammar host path's, token for
-  token (plain, chain and tree speculation, in batches mixing DFA, host-grammar (JSON schema) and
+  token (plain, chain and tree speculation, in batches mixing DFA, host-grammar (EBNF) and
   unconstrained rows), and so do sampled ones; DFA-only batches run several steps per dispatch; the
   outputs match re.fullmatch; slots reused after DFA requests decode as before (no leak); a DFA over
   the static limits, or an unsupported pattern, takes the host path (counted), an invalid one fails
@@ -42,7 +42,7 @@ xgrammar = pytest.importorskip("xgrammar")
 
 REGEXES = [r"[a-f]{2,5}(-[0-9]{1,3})?", r"(yes|no)!", r"\d{1,3}(\.\d+)?", r"[A-Z][a-z]*( [A-Z][a-z]*){0,3}"]
 MIXED = [dict(regex=REGEXES[0]), dict(choice=["red", "green", "blue"]), {}, dict(regex=REGEXES[1]),
-         dict(json_schema={"type": "array", "items": {"type": "boolean"}, "maxItems": 3}), dict(regex=REGEXES[2]),
+         dict(grammar='root ::= "[" ("true" | "false") (", " ("true" | "false"))? "]"'), dict(regex=REGEXES[2]),
          dict(regex=REGEXES[3]), {}]
 DRAFTS = {"plain": None, "tree": ("other", 3, 2, 5), "self": ("self", 3, 1, 3)}
 FORCED = r"KEY-fixed-text-then-more-fixed-text;[\s\S]*"  # a long fixed run, then anything
@@ -273,11 +273,11 @@ def check_regex_outputs(reqs, constraints):
 @pytest.mark.parametrize("which,temperature", [("plain", 0.0), ("plain", 0.9), ("tree", 0.0)],
                          ids=["plain-greedy", "plain-sampled", "tree-greedy"])
 def test_device_dfa_equals_host_path(world, which, temperature):
-    """A batch mixing DFA, JSON-schema (host) and unconstrained rows: the device DFA's outputs are
+    """A batch mixing DFA, EBNF-grammar (host) and unconstrained rows: the device DFA's outputs are
     the host path's, token for token, greedy, and sampled in plain decoding (same keys, same masked
     distributions; speculative sampling drafts under the DFA masks, other proposals, so other draws
     of the same law: test_drafts_follow_the_dfa). The regex rows go to the device (counted), the
-    schema row to the host."""
+    grammar row to the host (JSON schemas: tests/test_json_schema_dfa.py)."""
     prompts = world[5]
     kw = dict(temperature=temperature, top_p=0.9 if temperature else 1.0)
     eng = engine(world, which, SchedulerOptions(device_dfa=False))
