@@ -39,7 +39,8 @@ program (--no-program to skip): the engine's fused speculative program (programs
   new            dfa=True with the library's ops (the engine's own program)
   new_mask_only  the new mask with the old tree_states; new_tree_only the other way round
   flat           the candidate flat-gather mask with the new tree_states
-  bitrows        the candidate bit-row mask (a program constant here) with the new tree_states
+  bitrows        the candidate bit-row mask (a program constant here, of the DFA's 8 states) with the
+                 new tree_states
 Variants other than the engine's own run the same function under a new identity, traced with their
 ops (the row's *_hlo: while loops / gathers of each traced program). Each timed call starts from
 the same state (lengths, trees, DFA states rewound), so the variants see the same shapes and
@@ -97,13 +98,16 @@ def round_robin(cells: dict, iters: int) -> dict:
     return {n: float(np.median(t)) for n, t in times.items()}
 
 
+PERMISSIVE_STATES = 8  # states of the permissive DFA (random_tables)
+
+
 def random_tables(M, V, S, C, seed=0, permissive=False):
     """DFATables of M slots with random class maps and transitions (state 0 everywhere); permissive:
     8 states, 14 classes (the size of `[\\s\\S]*` over SmolLM2's vocabulary), every move allowed but
     class 13 outside state 0, so random tokens rarely leave the DFA."""
     rng = np.random.default_rng(seed)
     if permissive:
-        ns, nc = min(8, S), min(14, C)
+        ns, nc = min(PERMISSIVE_STATES, S), min(14, C)
         cls = np.broadcast_to(np.arange(V) % nc, (M, V))
         nxt = np.full((M, S, C), -1, np.int32)
         s, c = np.meshgrid(np.arange(ns), np.arange(nc), indexing="ij")
@@ -296,7 +300,9 @@ def bench_program(a, batches):
         impls = dict(ref=(dfa_lib.mask_logits_reference, dfa_lib.tree_states_reference),
                      new=(dfa_lib.mask_logits, dfa_lib.tree_states), flat=(mask_flat, None))
         if "bitrows" in wanted:
-            impls["bitrows"] = (bitrows_mask_logits(bit_rows(t)), None)
+            # the rows of the states the permissive DFA has (a program constant: the full [M, S, W] table
+            # would be one of M * S * V / 8 bytes; the per-step work does not depend on S)
+            impls["bitrows"] = (bitrows_mask_logits(bit_rows(t)[:, :PERMISSIVE_STATES]), None)
 
         def rewind(tables=True):  # tables False: the state without DFA tables
             s = eng.state
@@ -365,8 +371,11 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", default="1,5,17", help="comma list K: nodes masked per row (1 plain, 5 chain of 4)")
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--draft-vocab", type=int, default=16384, help="0: no draft-vocabulary rows")
-    p.add_argument("--states", type=int, default=128, help="S_max (SchedulerOptions.dfa_max_states)")
-    p.add_argument("--classes", type=int, default=256, help="C_max (SchedulerOptions.dfa_max_classes)")
+    from specjax.scheduler import SchedulerOptions
+    p.add_argument("--states", type=int, default=SchedulerOptions.dfa_max_states,
+                   help="S_max (default: the engine's, SchedulerOptions.dfa_max_states)")
+    p.add_argument("--classes", type=int, default=SchedulerOptions.dfa_max_classes,
+                   help="C_max (default: the engine's, SchedulerOptions.dfa_max_classes)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-ops", action="store_true")
     p.add_argument("--no-program", action="store_true")
