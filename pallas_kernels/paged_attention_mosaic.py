@@ -5,8 +5,9 @@ flow of all the kernels is written). One CTA (one warpgroup) per (row b, KV head
 block), grid (B, Hkv, splits * query blocks); the query blocks of one split are neighbours, so a
 page one of them reads is in L2 for the others:
 
-    TMA  q block [BQ, D] of head h (rows t * G + g; BQ = 64, wgmma's M, or 128 when a KV head has
-         more than 64 query rows, e.g. a 17-node tree with G = 4: one CTA reads each page once)
+    TMA  q block [BQ, D] of head h (rows t * G + g; BQ = 64, wgmma's M, also for up to 128 rows,
+         e.g. a 17-node tree with G = 4 in two CTAs that share the pages through L2: 1.8x faster
+         than one 128-row CTA on an H100, docs/benchmarks.md; 128 for more rows, e.g. prefill)
     for each key block j of the split (BK = 64 keys = BK / ps pages), `stages` blocks in flight:
         TMA  the K and V page slabs kv[page, :, 0 | 1, h, :] ([ps, D] each) into slot j % stages
         wgmma  s = q k^T          [64, BK] f32 in registers; scaled, masked (row_bounds)
@@ -224,7 +225,7 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
     """Same contract as `paged_attention_reference`, as a Mosaic GPU kernel (Hopper) that reads
     only the live key blocks of each row. num_splits: splits of each row's key range (None: about
     two CTAs per SM, see auto_splits); stages: key blocks in flight per CTA; block_q: 64 or 128
-    query rows per CTA (None: 64, or 128 when a KV head has more than 64 rows); block_kv is
+    query rows per CTA (None: 64 up to 128 rows per KV head (a 17-node tree: two CTAs), else 128); block_kv is
     max(64, page_size) (other values are an error); interpret: run in the Mosaic GPU interpreter
     on CPU (slow; for tests)."""
     why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
@@ -234,7 +235,7 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
         raise ValueError(f"paged_attention_mosaic: block_q is one of {BLOCK_QS} and block_kv max(64, page_size); "
                          f"got block_q={block_q}, block_kv={block_kv}")
     if block_q is None:
-        block_q = 64 if q.shape[1] * (q.shape[2] // kv_pages.shape[3]) <= 64 else 128
+        block_q = 64 if q.shape[1] * (q.shape[2] // kv_pages.shape[3]) <= 128 else 128  # 17-node verify: 2 x 64
     g = geometry(q, kv_pages, page_table, block_q, sliding_window, scale)
     fn = functools.partial(_paged, num_splits=num_splits, stages=stages, interpret=interpret)
     return run_paged(fn, q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g)

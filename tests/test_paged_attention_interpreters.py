@@ -1,6 +1,6 @@
 """The Mosaic GPU and Mosaic TPU paged-attention kernels in their CPU interpreters against the jnp
 reference (bf16 within tolerance, f32 tight): ragged and empty rows, decode with several splits,
-tree verify (a 128-row query block), draft growth, chunked prefill at an offset, sliding windows,
+tree verify (two 64-row query blocks, or one of 128 rows), draft growth, chunked prefill at an offset, sliding windows,
 and that they read no page outside the rows' live key blocks. The interpreters are slow: few, small cases.
 
 What the Mosaic GPU interpreter checks: the TMA page gathers into the SMEM slots, the barriers and
@@ -42,16 +42,17 @@ def _run(fn, case, **kw):
         *case.args, **case.kwargs)
 
 
-MOSAIC_CASES = [  # (mode, page_size, num_splits, T, H, window, seed); bf16, head_dim 64 (the kernel's minimum)
-    ("decode", 16, 3, 1, 4, None, 0),
-    ("verify", 8, 1, 17, 8, None, 1),  # 17 nodes x 4 query heads per KV head = 68 rows: one 128-row block
-    ("grow", 16, 2, 3, 4, 21, 2),  # with a sliding window
+MOSAIC_CASES = [  # (mode, page_size, num_splits, T, H, window, seed, block_q); bf16, head_dim 64 (the minimum)
+    ("decode", 16, 3, 1, 4, None, 0, None),
+    ("verify", 8, 1, 17, 8, None, 1, None),  # 17 nodes x 4 query heads per KV head = 68 rows: two 64-row blocks
+    ("verify", 8, 2, 17, 8, None, 3, 128),  # the same in one 128-row block
+    ("grow", 16, 2, 3, 4, 21, 2, None),  # with a sliding window
 ]
 
 
 @needs_gpu_interpreter
-@pytest.mark.parametrize("mode,page_size,num_splits,T,H,window,seed", MOSAIC_CASES)
-def test_mosaic_interpreted_matches_reference(mode, page_size, num_splits, T, H, window, seed):
+@pytest.mark.parametrize("mode,page_size,num_splits,T,H,window,seed,block_q", MOSAIC_CASES)
+def test_mosaic_interpreted_matches_reference(mode, page_size, num_splits, T, H, window, seed, block_q):
     from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
     case = make_case(np.random.default_rng(seed), mode, page_size=page_size, B=3, T=T, H=H, D=64,
                      dtype=jnp.bfloat16, P=20 if mode == "decode" else None, window=window)
@@ -59,7 +60,7 @@ def test_mosaic_interpreted_matches_reference(mode, page_size, num_splits, T, H,
     if mode == "decode":  # pages outside the live 64-key blocks must not be read
         case = poison_dead_pages(case, block=64)
         assert np.isnan(np.asarray(case.kv_pages.astype(jnp.float32))).any()
-    got = _run(paged_attention_mosaic, case, num_splits=num_splits)
+    got = _run(paged_attention_mosaic, case, num_splits=num_splits, block_q=block_q)
     assert got.dtype == jnp.bfloat16
     assert_valid_close(got, want, case.num_new, atol=3e-2)
 
