@@ -26,8 +26,8 @@ vocabulary):
                 and DEL, numbers as int64, else "%.f" for whole doubles below 2^53, else "%.17g"
     array       [ item (, item){minItems-1, maxItems-1} ], and [] where minItems is 0 (only []
                 where maxItems is 0 or items is false)
-    object      the properties in their order (strict_mode: no others; the engine's key sorts a
-                schema's keys, so that is alphabetical there), each key its picojson string; each
+    object      the properties in the schema's order (strict_mode: no others; SamplingParams keeps
+                the order a request gives), each key its picojson string; each
                 optional one may be left out, the first written is any property up to the first
                 required one; {} too where "required" is empty (even naming no property)
 

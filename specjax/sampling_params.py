@@ -105,8 +105,9 @@ class SamplingParams:
     def constraint(self) -> tuple[str, str] | None:
         """None, or a hashable ``(field name, canonical text)`` key of the output constraint.
 
-        Equal constraints give equal keys (a schema is re-serialised with sorted keys), so the
-        key can index a cache of compiled grammars.
+        Equal constraints give equal keys (a schema is re-serialised: a dict and its JSON text, however
+        spaced, give one key; its keys keep their order, which is the generated properties' order), so
+        the key can index a cache of compiled grammars.
         """
         if self.json_schema is not None:
             return ("json_schema", _schema_text(self.json_schema))
@@ -124,7 +125,9 @@ def _invalid(msg: str):
 
 
 def _schema_text(schema) -> str:
-    """Canonical JSON text of a schema given as a dict or as a string holding a JSON object."""
+    """JSON text of a schema given as a dict or as a string holding a JSON object, its keys in the
+    order given: properties are generated in the schema's order (as xgrammar builds the grammar),
+    so the text must not reorder them (sorted keys made every object alphabetical)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -133,6 +136,6 @@ def _schema_text(schema) -> str:
     if not isinstance(schema, dict):
         _invalid(f"json_schema must be a JSON object (dict or JSON string), got {type(schema).__name__}")
     try:
-        return json.dumps(schema, sort_keys=True, ensure_ascii=False, allow_nan=False)
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         _invalid(f"json_schema is not JSON-serialisable: {e}")

@@ -102,7 +102,7 @@ UNSUPPORTED = [
 
 
 def key_of(schema) -> tuple[str, str]:
-    """The constraint key the engine sees (the schema re-serialised with sorted keys)."""
+    """The constraint key the engine sees (the schema re-serialised, its key order kept)."""
     return SamplingParams(json_schema=schema).constraint
 
 
@@ -189,6 +189,21 @@ def test_same_language_as_xgrammar(tiny_compiler, name):
         want = m.accept_string(data) and m.is_completed()
         assert dfa.matches(data) == want, (name, data)
     assert all(dfa.matches(w) for w in walks)
+
+
+def test_properties_keep_the_schemas_order(tiny_compiler):
+    """An object's properties come in the order the request's schema gives them, on both paths (the
+    constraint key once sorted the keys, which made every generated object alphabetical)."""
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+              "required": ["zeta", "alpha"]}
+    key = key_of(schema)
+    assert key[1].index('"zeta"') < key[1].index('"alpha"')
+    dfa = compile_regex(schema_regex(key[1]), xgrammar=True)
+    compiled = tiny_compiler.compile_grammar(build_grammar(key))
+    for text, ok in ((b'{"zeta": 1, "alpha": 2}', True), (b'{"alpha": 2, "zeta": 1}', False)):
+        m = xgrammar.GrammarMatcher(compiled)
+        assert dfa.matches(text) == ok
+        assert (m.accept_string(text) and m.is_completed()) == ok
 
 
 # ----------------------------------------------------------------------------- token masks (SmolLM2)
@@ -301,7 +316,7 @@ def test_routing():
     router, info = DFARouter(97), char_info()
     dfa, why = router.route(key_of(MOVIE), info, (EOS,), 512, 256)
     assert why is None and isinstance(dfa, DeviceDFA) and dfa.token_dfa.num_states <= 512
-    text = '{"cast": [], "genre": "drama", "summary": "x", "title": "T\\"", "year": 2001}'
+    text = '{"title": "T\\"", "year": 2001, "genre": "drama", "cast": [], "summary": "x"}'  # the schema's order
     s = dfa.state_after([VOCAB.index(c) for c in text])
     assert dfa.token_dfa.accept[s]
     dfa, why = router.route(key_of(MOVIE), info, (EOS,), 100, 256)
