@@ -201,7 +201,8 @@ class Engine(GrammarSteps, DFASteps):
         num_pages = cache_opts.num_pages or batch_opts.max_batch * pages_per_slot + 1
         self.sched = Scheduler(num_pages=num_pages, page_size=cache_opts.page_size, max_seq_len=cache_opts.max_seq_len,
                                max_batch=batch_opts.max_batch, max_prefill_tokens=batch_opts.max_prefill_tokens,
-                               prefill_chunk=batch_opts.prefill_chunk, ahead=ahead, advance=advance, tail=tail, prefix_caching=cache_opts.prefix_cache,
+                               prefill_chunk=batch_opts.prefill_chunk, ahead=ahead, advance=advance, tail=tail,
+                               prefix_caching=cache_opts.prefix_cache,
                                key_shift=draft.info.shift if draft is not None and draft.info.has_model else 0)
         self.kernels, kernel_note = self._choose_kernels(kv_compact_impl, num_pages, dtype)
         if draft is None:

@@ -116,9 +116,7 @@ class Scheduler:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.max_prefill_tokens = max_prefill_tokens
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk or max_prefill_tokens
+        self.prefill_chunk = prefill_chunk or max_prefill_tokens  # checked by BatchOptions
         self.prefix_caching, self.key_shift = prefix_caching, key_shift
         self.prefix = PrefixStats()
         self.ahead, self.advance = ahead, advance
