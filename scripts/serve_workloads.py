@@ -141,7 +141,7 @@ def generate_ref(a, mode: str, prefix_cache: bool | None, runs: dict) -> dict:
         draft = a.draft or (str(DEFAULT_HEAD_DIR) if a.model is None else None)  # as `specjax serve` decides
     spec = dict(model=a.model, draft=draft, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len,
                 prefix_cache=prefix_cache is not False, max_prefill_tokens=a.max_prefill_tokens,
-                prefill_chunk=getattr(a, "prefill_chunk", None),
+                prefill_chunk=a.prefill_chunk,
                 max_tokens=a.max_tokens, temperature=a.temperature, runs=runs)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
