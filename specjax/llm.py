@@ -18,6 +18,7 @@ from specjax.engine import BatchOptions, CacheOptions, Engine, check_speculate_b
 from specjax.request import Request, RequestOutput
 from specjax.sampling_params import SamplingParams, SamplingParamsError
 from specjax.scheduler import SchedulerOptions
+from specjax.token_cache import PromptEncoder
 
 log = logging.getLogger("specjax")
 
@@ -162,6 +163,10 @@ class LLM:
             multihost.check_mesh(None)
             self.cfg, module = load_model(self.model_dir, dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
+        # prompt ids: the text between added tokens (a shared system prompt) cached where the tokenizer
+        # qualifies (the same ids either way); the log line says which path runs
+        self.prompt_encoder = PromptEncoder(self.tokenizer)
+        log.info("prompt tokenization: %s", self.prompt_encoder.info)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.spec = None
         engine_draft = None
@@ -262,7 +267,7 @@ class LLM:
         """A Request; one that cannot be served is returned already failed (finish_reason "error")."""
         params, why = self._params(params, index)
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            text, ids = prompt, self.prompt_encoder.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
             if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
