@@ -83,6 +83,10 @@ def parse_args(argv=None):
                    help="tokens of one prefill call of the server (default: `specjax serve`'s)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="the server's longest piece of one prompt per prefill call (default: `specjax serve`'s)")
+    p.add_argument("--steps-per-call", type=int, default=None,
+                   help="the server's plain decoding steps per dispatch (default: `specjax serve`'s)")
+    p.add_argument("--spec-steps-per-call", type=int, default=None,
+                   help="the server's fused speculative steps per dispatch (default: `specjax serve`'s)")
     p.add_argument("--long-prompt-tokens", type=int, default=4000,
                    help="the long prompt's tokens (0: no long-prompt run)")
     p.add_argument("--long-concurrency", type=int, default=16, help="streams decoding while the long prompt arrives")
@@ -147,8 +151,9 @@ class Server:
             cmd += ["--no-prefix-cache"]
         if a.max_prefill_tokens is not None:
             cmd += ["--max-prefill-tokens", str(a.max_prefill_tokens)]
-        if a.prefill_chunk is not None:
-            cmd += ["--prefill-chunk", str(a.prefill_chunk)]
+        for flag in ("prefill_chunk", "steps_per_call", "spec_steps_per_call"):
+            if getattr(a, flag) is not None:
+                cmd += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]
         log = open(a.server_log, "a") if a.server_log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env=child_env())

@@ -131,7 +131,7 @@ async def long_prompt_run(server, a, background, long_conv) -> dict:
 
 def generate_ref(a, mode: str, prefix_cache: bool | None, runs: dict) -> dict:
     """runs: {workload: [messages] of the run's requests}. LLM.generate with the server's settings
-    (model, draft, dtype, max_batch, max_seq_len, prefix cache, max_prefill_tokens, prefill_chunk), the same chat
+    (model, draft, dtype, max_batch, max_seq_len, prefix cache, max_prefill_tokens, prefill_chunk, steps per call), the same chat
     template, max_tokens, temperature and EOS ignored: call 1 compiles, call 2 is timed (call 3 instead
     if call 2 compiled anything). Returns {workload: {tok_s, seconds, tokens, first_s, timed_call,
     compiles, failed}} or {"error": ...}."""
@@ -141,7 +141,8 @@ def generate_ref(a, mode: str, prefix_cache: bool | None, runs: dict) -> dict:
         draft = a.draft or (str(DEFAULT_HEAD_DIR) if a.model is None else None)  # as `specjax serve` decides
     spec = dict(model=a.model, draft=draft, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len,
                 prefix_cache=prefix_cache is not False, max_prefill_tokens=a.max_prefill_tokens,
-                prefill_chunk=a.prefill_chunk,
+                prefill_chunk=a.prefill_chunk, steps_per_call=a.steps_per_call,
+                spec_steps_per_call=a.spec_steps_per_call,
                 max_tokens=a.max_tokens, temperature=a.temperature, runs=runs)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
@@ -171,7 +172,8 @@ def _generate_ref_main(spec_path: str) -> int:
             compiles[0] += 1
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
-    kw = {k: spec[k] for k in ("max_prefill_tokens", "prefill_chunk") if spec.get(k) is not None}
+    kw = {k: spec[k] for k in ("max_prefill_tokens", "prefill_chunk", "steps_per_call",
+                                          "spec_steps_per_call") if spec.get(k) is not None}
     llm = LLM(spec["model"], dtype=spec["dtype"], max_batch=spec["max_batch"], max_seq_len=spec["max_seq_len"],
               draft=spec["draft"], prefix_cache=spec["prefix_cache"], **kw)
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=spec["temperature"], ignore_eos=True)

@@ -212,6 +212,11 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                    help="the longest piece of one prompt in a prefill call; longer prompts are prefilled in "
                         "chunks of this many tokens between decode steps (lower: steadier streams while a long "
                         "prompt arrives; higher: its first token sooner)")
+    g.add_argument("--steps-per-call", type=positive_int, default=BatchOptions.steps_per_call, metavar="K",
+                   help="plain decoding steps per dispatch (fewer: a new request's prefill waits less for the "
+                        "running dispatch, a lower time to first token; more: less host work per token)")
+    g.add_argument("--spec-steps-per-call", type=positive_int, default=BatchOptions.spec_steps_per_call,
+                   metavar="K", help="fused speculative steps per dispatch (as --steps-per-call)")
     from specjax.scheduler import SchedulerOptions
     g.add_argument("--no-device-dfa", dest="device_dfa", action="store_false",
                    help="regex / choice / JSON-schema constraints through xgrammar on the host instead of token "
@@ -273,7 +278,8 @@ def llm_from_args(a, **more):
     return LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft,
                spec=a.spec, tensor_parallel=a.tensor_parallel, kv_compact_impl=a.kv_compact_impl,
                attention=a.attention, prefix_cache=a.prefix_cache, max_prefill_tokens=a.max_prefill_tokens,
-               prefill_chunk=a.prefill_chunk,
+               prefill_chunk=a.prefill_chunk, steps_per_call=a.steps_per_call,
+               spec_steps_per_call=a.spec_steps_per_call,
                speculate_below=a.speculate_below if a.draft is not None else "auto",
                min_accept=a.min_accept if a.draft is not None else "auto", **more)
 

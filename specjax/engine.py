@@ -94,8 +94,9 @@ class BatchOptions:
     probe_every: int = 8  # gated by min_accept: one fused dispatch after this many lite ones
 
     def __post_init__(self):
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        for name in ("prefill_chunk", "steps_per_call", "spec_steps_per_call"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_speculate_below(self.speculate_below)
         check_min_accept(self.min_accept)
         check_probe_every(self.probe_every)

@@ -101,6 +101,8 @@ class LLM:
                  scheduler: SchedulerOptions | None = None, kv_compact_impl: str = "auto", attention="auto",
                  prefix_cache: bool = True, max_prefill_tokens: int = BatchOptions.max_prefill_tokens,
                  prefill_chunk: int = BatchOptions.prefill_chunk,
+                 steps_per_call: int = BatchOptions.steps_per_call,
+                 spec_steps_per_call: int = BatchOptions.spec_steps_per_call,
                  speculate_below: int | None | str = "auto", min_accept: float | None | str = "auto"):
         """dtype: "auto" (float32 on the CPU, bfloat16 on GPUs and TPUs), "bfloat16" or "float32".
         draft: None (plain decoding), "self" (the target drafts for itself: for testing), "ngram"
@@ -123,6 +125,8 @@ class LLM:
         max_prefill_tokens: tokens (rows x padded length) of one prefill call (several prompts share it).
         prefill_chunk: the longest piece of one prompt in a prefill call; longer prompts are prefilled
         in chunks between the decode steps of running requests (their streams keep flowing).
+        steps_per_call / spec_steps_per_call: plain / fused speculative steps per dispatch (fewer:
+        a new request waits less for the running dispatch before its prefill; more: less host work).
         speculate_below (with a draft): batches of this many rows or more run lite steps (plain
         decoding that keeps the draft in sync, switching back to speculation losslessly:
         specjax.dispatch_plan) instead of speculative ones; None: always speculate; "auto": from the
@@ -173,7 +177,8 @@ class LLM:
         if draft is not None:
             engine_draft = self._load_draft(draft, spec, module, dtype)
         self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages, prefix_cache),
-                             BatchOptions(max_batch, max_prefill_tokens, prefill_chunk, speculate_below=below, min_accept=gate), DTYPES[dtype],
+                             BatchOptions(max_batch, max_prefill_tokens, prefill_chunk, steps_per_call,
+                                          spec_steps_per_call, speculate_below=below, min_accept=gate), DTYPES[dtype],
                              draft=engine_draft, mesh=mesh,
                              sched=scheduler, grammar=self._grammar_compiler, kv_compact_impl=kv_compact_impl,
                              attention=attention)

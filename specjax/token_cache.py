@@ -113,32 +113,48 @@ class PromptEncoder:
         return out + self._pieces(text[at:], passes[1:])
 
     def _split_encode(self, text: str) -> list[int]:
-        ids: list[int] = []
-        for piece in self._pieces(text, self._passes):
+        pieces = self._pieces(text, self._passes)
+        out: list[tuple[int, ...] | None] = [None] * len(pieces)
+        todo = []
+        for i, piece in enumerate(pieces):
             tok = self._ids.get(piece)
-            ids.extend((tok,) if tok is not None else self._piece(piece))
-        return ids
+            out[i] = (tok,) if tok is not None else self._lookup(piece)
+            if out[i] is None:
+                todo.append(i)
+        if todo:  # one encode_batch call: it releases the GIL (encode does not), so the engine's thread
+            #       keeps dispatching while a long prompt is tokenized in the server's thread
+            encs = self._rust.encode_batch([pieces[i] for i in todo], add_special_tokens=False)
+            for i, enc in zip(todo, encs):
+                out[i] = tuple(enc.ids)
+                self._store(pieces[i], out[i])
+        return [t for ids in out for t in ids]
 
-    def _piece(self, piece: str) -> tuple[int, ...]:
-        """The ids of a text without added tokens, from the cache where it is long enough."""
-        if len(piece) < self.min_chars or len(piece) > self.max_chars:
-            return self._rust.encode(piece, add_special_tokens=False).ids
+    def _cacheable(self, piece: str) -> bool:
+        return self.min_chars <= len(piece) <= self.max_chars
+
+    def _lookup(self, piece: str) -> tuple[int, ...] | None:
+        """The cached ids of a text without added tokens (None: not cached)."""
+        if not self._cacheable(piece):
+            return None
         with self._lock:
             got = self._cache.get(piece)
-            if got is not None:
+            if got is None:
+                self.misses += 1
+            else:
                 self._cache.move_to_end(piece)
                 self.hits += 1
-                return got
-        got = tuple(self._rust.encode(piece, add_special_tokens=False).ids)
+            return got
+
+    def _store(self, piece: str, ids: tuple[int, ...]) -> None:
+        if not self._cacheable(piece):
+            return
         with self._lock:
-            self.misses += 1
             if piece not in self._cache:
-                self._cache[piece] = got
+                self._cache[piece] = ids
                 self._chars += len(piece)
                 while self._chars > self.max_chars:  # least recently used first
                     old, _ = self._cache.popitem(last=False)
                     self._chars -= len(old)
-        return got
 
     def cache_chars(self) -> int:
         """Characters of piece text held in the cache (<= max_chars)."""

@@ -186,3 +186,30 @@ def test_device_dfa_flags_reach_the_scheduler(tiny, monkeypatch, extra, expect):
 def test_bad_dfa_limit_is_a_usage_error(capsys, no_load):
     assert "argument --dfa-max-states: must be an integer >= 1, got 0" in usage_error(
         capsys, ["generate", "--prompt", "hi", "--dfa-max-states", "0"])
+
+
+def test_steps_per_call_flags_reach_the_llm(tiny, monkeypatch):
+    """--steps-per-call / --spec-steps-per-call become the LLM's (BatchOptions') steps per dispatch;
+    0 is a usage error naming the flag, and BatchOptions refuses it too."""
+    seen = {}
+
+    class Capture:
+        def __init__(self, *a, **k):
+            seen.update(k)
+            raise SystemExit(0)
+    monkeypatch.setattr(specjax.llm, "LLM", Capture)
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tiny), "--prompt", "w5", "--steps-per-call", "2", "--spec-steps-per-call", "3"])
+    assert (seen["steps_per_call"], seen["spec_steps_per_call"]) == (2, 3)
+    monkeypatch.undo()
+    llm = specjax.llm.LLM(tiny, max_batch=1, max_seq_len=64, steps_per_call=2, spec_steps_per_call=3)
+    assert (llm.engine.batch_opts.steps_per_call, llm.engine.batch_opts.spec_steps_per_call) == (2, 3)
+    from specjax.engine import BatchOptions
+    for name in ("steps_per_call", "spec_steps_per_call"):
+        with pytest.raises(ValueError, match=name):
+            BatchOptions(**{name: 0})
+
+
+def test_bad_steps_per_call_is_a_usage_error(capsys, no_load):
+    assert "argument --steps-per-call: must be an integer >= 1, got 0" in usage_error(
+        capsys, ["generate", "--prompt", "hi", "--steps-per-call", "0"])

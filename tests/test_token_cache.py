@@ -138,3 +138,27 @@ def test_cache_bound_and_lru_order():
     for t in (a, b, a, c):  # a used again after b: c evicts b, the least recently used
         enc.encode(f"<x>{t}[end]")
     assert list(enc._cache) == [a, c]
+
+
+class _Spy:
+    """Delegates to a Rust tokenizer, recording which encode entry point the encoder calls."""
+    def __init__(self, rust):
+        self.rust, self.calls = rust, []
+
+    def __getattr__(self, name):
+        if name in ("encode", "encode_batch"):
+            self.calls.append(name)
+        return getattr(self.rust, name)
+
+
+def test_uncached_pieces_go_through_encode_batch_in_one_call(smol):
+    """Misses are encoded with one encode_batch call (which releases the GIL: the server's engine
+    thread keeps dispatching while a long prompt is tokenized), never with encode (which holds it)."""
+    enc = PromptEncoder(smol, min_chars=0)
+    enc._rust = spy = _Spy(enc._rust)
+    text = "<|im_start|>system\nA long system prompt here.<|im_end|>\n<|im_start|>user\nHello there<|im_end|>\n"
+    assert enc.encode(text) == plain(smol, text)
+    assert spy.calls.count("encode_batch") == 1 and "encode" not in spy.calls
+    spy.calls.clear()
+    assert enc.encode(text) == plain(smol, text)  # every piece cached now: no call at all
+    assert not [c for c in spy.calls if c.startswith("encode")]
