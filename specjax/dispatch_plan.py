@@ -38,6 +38,49 @@ class DispatchPlan(NamedTuple):
     sure: int  # steps run: tokens a row gets at least, or it finishes (scheduler.sure)
 
 
+class StepsCap:
+    """Adaptive steps per dispatch (BatchOptions.adaptive_steps): a new request's prefill queues on the
+    device behind the dispatches in flight (up to two: the engine reads one step behind), so K steps
+    per dispatch cost a new request up to ~2K steps of waiting. Where the host waits for the device
+    (light load: its work per dispatch is short) that wait is pure latency and K halves, down to a
+    quarter of the configured steps per call (MAX_LEVEL halvings); where the host is the bottleneck
+    (it barely waits: many rows and streams, each dispatch's outputs delivered and streamed), fewer
+    steps per dispatch would cost throughput and K doubles back. The signal: the share of the engine
+    loop's wall time spent waiting for device results, averaged over recent steps (`observe`). K
+    changes only how steps are grouped into dispatches: outputs are those of any fixed K (tests).
+    Not adaptive: the configured steps per call."""
+    SHRINK_ABOVE, GROW_BELOW = 0.5, 0.2  # waiting share of the loop; between them K stays
+    ALPHA = 0.25  # weight of the newest step in the average
+    MAX_LEVEL = 2  # K >= steps_per_call / 4
+
+    def __init__(self, adaptive: bool):
+        self.adaptive = adaptive
+        self.level = 0  # halvings of the configured steps per call
+        self.wait = None  # the average waiting share since the last change
+
+    def caps(self, batch_opts) -> tuple[int, int]:
+        """(plain / lite, fused speculative) steps per dispatch at most."""
+        return (max(1, batch_opts.steps_per_call >> self.level), max(1, batch_opts.spec_steps_per_call >> self.level))
+
+    def observe(self, wait_s: float, loop_s: float) -> bool:
+        """One engine step that read device results: wait_s of its loop_s spent waiting. Returns
+        whether the level changed."""
+        if not self.adaptive or loop_s <= 0:
+            return False
+        share = min(1.0, max(0.0, wait_s / loop_s))
+        self.wait = share if self.wait is None else (1 - self.ALPHA) * self.wait + self.ALPHA * share
+        if self.wait > self.SHRINK_ABOVE and self.level < self.MAX_LEVEL:
+            return self.set(self.level + 1)
+        if self.wait < self.GROW_BELOW and self.level > 0:
+            return self.set(self.level - 1)
+        return False
+
+    def set(self, level: int) -> bool:
+        """Set the level (a multi-host follower applies process 0's); the average starts again."""
+        changed, self.level, self.wait = level != self.level, level, None
+        return changed
+
+
 def runs_lite(n_rows: int, speculate_below: int | None) -> bool:
     """Lite steps for a speculative batch of n_rows rows without grammars (None: always fused)."""
     return speculate_below is not None and n_rows >= speculate_below
@@ -49,25 +92,27 @@ def _work_steps(rows, steps_per_call: int) -> int:
 
 
 def plan(rows, grammar: bool, batch_opts, sched: Scheduler, draft=None, lookahead: int = 0,
-         gated: bool = False) -> DispatchPlan:
+         gated: bool = False, caps: tuple[int, int] | None = None) -> DispatchPlan:
     """The next decode dispatch over rows [(slot, request)]; takes the pages of K > 1 steps from the
     scheduler (the caller pushes the page table when it changed). draft: the engine's Draft (None:
     plain decoding); lookahead: entries one fused step touches past a slot's length (step.lookahead,
     the scheduler's `ahead` for a speculative engine); gated: the acceptance gate chose lite steps
-    (specjax.adaptive: the rows' drafts do not repay a fused step)."""
+    (specjax.adaptive: the rows' drafts do not repay a fused step); caps: (plain / lite, fused) steps
+    per dispatch at most (StepsCap; None: batch_opts' steps_per_call, spec_steps_per_call)."""
     slots = [s for s, _ in rows]
+    plain_cap, spec_cap = caps or (batch_opts.steps_per_call, batch_opts.spec_steps_per_call)
     if draft is None:
-        K = 1 if grammar else _work_steps(rows, batch_opts.steps_per_call)
+        K = 1 if grammar else _work_steps(rows, plain_cap)
         return DispatchPlan("decode", K, K, K)
     if not grammar and (gated or runs_lite(len(rows), batch_opts.speculate_below)):
         from specjax.step import lite_lookahead
-        K = _work_steps(rows, batch_opts.steps_per_call)
+        K = _work_steps(rows, plain_cap)
         extra = lite_lookahead(draft.info, K) - lookahead  # one lite step touches <= 2 <= lookahead entries
         if extra > 0 and not sched.ensure_extra(slots, extra):
             K = 1
         return DispatchPlan("lite", K, K, K)
     per_step = draft.spec.num_steps + 1
-    K = 1 if grammar else batch_opts.spec_steps_per_call
+    K = 1 if grammar else spec_cap
     if K > 1 and not sched.ensure_extra(slots, (K - 1) * per_step):
         K = 1
     return DispatchPlan("spec", K, K * per_step, K)

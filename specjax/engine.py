@@ -89,6 +89,9 @@ class BatchOptions:
     #                                     this, lite steps (plain decoding, the draft kept in sync) from
     #                                     this many rows on (specjax.dispatch_plan); None: always fused
 
+    adaptive_steps: bool = False  # steps per dispatch halve (to a quarter) while the host waits for the
+    #                               device and grow back while it does not (dispatch_plan.StepsCap): a
+    #                               new request waits less for the dispatches in flight (the server's)
     min_accept: float | None = None  # speculative engine: lite steps while the rows' measured tokens per
     #                                  fused step are below this (specjax.adaptive); None: off
     probe_every: int = 8  # gated by min_accept: one fused dispatch after this many lite ones
@@ -239,6 +242,8 @@ class Engine(GrammarSteps, DFASteps):
         self.host = HostTimes()
         self.shapes = ShapeReuse(slack=4)  # padded shapes: reuse a compiled program up to 4x the size
         self.dispatches = dict.fromkeys(("decode", "spec", "lite"), 0)  # decode dispatches by kind
+        self.steps_cap = dispatch_plan.StepsCap(batch_opts.adaptive_steps)  # steps per dispatch at most
+        self._loop_end = None  # when the last step() that dispatched ended (the loop's period)
         self.gate = AcceptanceGate()  # lite or fused steps by measured acceptance (BatchOptions.min_accept)
         self._last_kind = None  # the kind of the last decode dispatch
         self.dispatched_steps = dict.fromkeys(("decode", "spec", "lite"), 0)  # the steps they ran
@@ -352,6 +357,7 @@ class Engine(GrammarSteps, DFASteps):
             **self.host.stats(),  # host seconds by phase (specjax.host_timing)
             **{f"{k}_dispatches": v for k, v in self.dispatches.items()},
             **{f"{k}_dispatch_steps": v for k, v in self.dispatched_steps.items()},
+            "steps_per_call_cap": self.steps_cap.caps(self.batch_opts)[0 if self.draft is None else 1],
             **self.gate.stats(),  # lite dispatches chosen by the acceptance gate, its probes (specjax.adaptive)
             **self._dfa_counts(),  # constrained requests by path: device DFA / host grammar, DFA fallbacks
         }
@@ -409,11 +415,22 @@ class Engine(GrammarSteps, DFASteps):
         """Admit, dispatch the next step, read the previous one. Returns the requests that got
         tokens or finished since the last call."""
         t0 = time.perf_counter()
+        read0, before = self.host.seconds["read"], sum(self.dispatches.values())
         try:
             return self._step()
         finally:
+            end = time.perf_counter()
             self.host.steps += 1
-            self.host.step_s += time.perf_counter() - t0
+            self.host.step_s += end - t0
+            self._adapt_steps(self.host.seconds["read"] - read0, end, sum(self.dispatches.values()) > before)
+
+    def _adapt_steps(self, wait_s: float, end: float, dispatched: bool) -> None:
+        """Feed the steps-per-dispatch cap the share of the loop (step() to step(), the caller's work
+        included) spent waiting for device results; process 0 of several tells the others its changes."""
+        if dispatched and self._loop_end is not None and self.steps_cap.observe(wait_s, end - self._loop_end):
+            if self.replica is not None:
+                self.replica.steps_level(self.steps_cap.level)
+        self._loop_end = end if dispatched else None
 
     def _step(self) -> list[StepUpdate]:
         if self.replica is not None:  # multi-host: the other processes take the same step
@@ -573,7 +590,8 @@ class Engine(GrammarSteps, DFASteps):
         b = self.batch_opts
         gated = (self.draft is not None and not grammar and not dispatch_plan.runs_lite(len(rows), b.speculate_below)
                  and self.gate.lite([r for _, r in rows], b.min_accept, b.probe_every))
-        p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated)
+        p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated,
+                               caps=self.steps_cap.caps(b))
         if grammar:
             slots, active = self.sched.row_slots(rows)
         else:  # the bucket, or a larger batch already dispatched by the same program family

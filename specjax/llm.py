@@ -102,7 +102,7 @@ class LLM:
                  prefix_cache: bool = True, max_prefill_tokens: int = BatchOptions.max_prefill_tokens,
                  prefill_chunk: int = BatchOptions.prefill_chunk,
                  steps_per_call: int = BatchOptions.steps_per_call,
-                 spec_steps_per_call: int = BatchOptions.spec_steps_per_call,
+                 spec_steps_per_call: int = BatchOptions.spec_steps_per_call, adaptive_steps: bool = False,
                  speculate_below: int | None | str = "auto", min_accept: float | None | str = "auto"):
         """dtype: "auto" (float32 on the CPU, bfloat16 on GPUs and TPUs), "bfloat16" or "float32".
         draft: None (plain decoding), "self" (the target drafts for itself: for testing), "ngram"
@@ -127,6 +127,9 @@ class LLM:
         in chunks between the decode steps of running requests (their streams keep flowing).
         steps_per_call / spec_steps_per_call: plain / fused speculative steps per dispatch (fewer:
         a new request waits less for the running dispatch before its prefill; more: less host work).
+        adaptive_steps: those halve (to a quarter) while the engine waits for the device and grow back
+        while the host is busy (specjax.dispatch_plan.StepsCap; `specjax serve` turns it on): lower
+        latency for arriving requests at the same throughput; the same outputs.
         speculate_below (with a draft): batches of this many rows or more run lite steps (plain
         decoding that keeps the draft in sync, switching back to speculation losslessly:
         specjax.dispatch_plan) instead of speculative ones; None: always speculate; "auto": from the
@@ -177,8 +180,9 @@ class LLM:
         if draft is not None:
             engine_draft = self._load_draft(draft, spec, module, dtype)
         self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages, prefix_cache),
-                             BatchOptions(max_batch, max_prefill_tokens, prefill_chunk, steps_per_call,
-                                          spec_steps_per_call, speculate_below=below, min_accept=gate), DTYPES[dtype],
+                             BatchOptions(max_batch, max_prefill_tokens, prefill_chunk, steps_per_call=steps_per_call,
+                                          spec_steps_per_call=spec_steps_per_call, adaptive_steps=adaptive_steps,
+                                          speculate_below=below, min_accept=gate), DTYPES[dtype],
                              draft=engine_draft, mesh=mesh,
                              sched=scheduler, grammar=self._grammar_compiler, kv_compact_impl=kv_compact_impl,
                              attention=attention)

@@ -11,6 +11,7 @@ decisions (admission, chunking, preemption, finishing) and dispatches the same p
     tokenize, validate, draw seeds -> Request
     Engine.add_request(req)  -> log ("add", request fields)
     Engine.cancel(id)        -> log ("cancel", id)
+    steps per dispatch adapted (BatchOptions.adaptive_steps) -> log ("steps", level)
     Engine.step(): send the log, then "step"  --- Channel --->    Follower.replay(): per message
                    then the step itself                             add_request(Request(fields)) /
                                                                     cancel(id), then Engine.step()
@@ -169,6 +170,11 @@ class Leader:
         with self._lock:
             self._log.append(["cancel", request_id])
 
+    def steps_level(self, level: int) -> None:
+        """The engine's steps-per-dispatch level changed (dispatch_plan.StepsCap, adapted here only)."""
+        with self._lock:
+            self._log.append(["steps", level])
+
     def send(self, then: str, error: str | None = None) -> None:
         """Send the logged commands, then `then`: "step" (the followers step once), "end" (the end of
         an LLM.generate call; `error`: why it failed) or "stop" (followers leave LLM.follow; returns
@@ -210,6 +216,7 @@ class Follower:
 
     def __init__(self, channel: Channel, engine, make_request: Callable[[dict], object]):
         self.channel, self.engine, self.make_request = channel, engine, make_request
+        engine.steps_cap.adaptive = False  # process 0 adapts its steps per dispatch and sends the changes
         self.stopped = False
 
     def replay(self) -> Iterator[Replayed]:
@@ -226,6 +233,8 @@ class Follower:
                     self.engine.add_request(req)
                 elif cmd[0] == "cancel":
                     self.engine.cancel(cmd[1])
+                elif cmd[0] == "steps":
+                    self.engine.steps_cap.set(cmd[1])
                 else:
                     raise RuntimeError(f"unknown command from process 0: {cmd[0]!r}")
             then = msg["then"]

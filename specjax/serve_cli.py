@@ -23,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $SPECJAX_API_KEY)")
     p.add_argument("--num-pages", type=positive_int, default=None,
                    help="KV cache pages (default: every slot can fill its context)")
+    p.add_argument("--no-adaptive-steps", dest="adaptive_steps", action="store_false",
+                   help="keep --steps-per-call / --spec-steps-per-call fixed (default: they halve, to a quarter, "
+                        "while the engine waits for the device, so a new request waits less for the running "
+                        "dispatches, and grow back when the host is busy; same outputs)")
     p.add_argument("--seed", type=int, default=0, help="seeds of requests that give none are drawn from this")
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="larger request bodies get 413")
@@ -119,7 +123,7 @@ def cmd_serve(a) -> int:
     if not _is_loopback(a.host) and a.api_key is None:
         print(f"specjax serve: warning: listening on {a.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    llm = llm_from_args(a, num_pages=a.num_pages, seed=a.seed)
+    llm = llm_from_args(a, num_pages=a.num_pages, seed=a.seed, adaptive_steps=a.adaptive_steps)
     name = a.served_model_name or llm.model_dir.name
     engine = AsyncLLM(llm, grammar_timeout=a.grammar_timeout)
     threading.Thread(target=engine.start_grammar_worker, name="specjax-grammar-start", daemon=True).start()
@@ -154,7 +158,7 @@ def cmd_serve(a) -> int:
 def _follow(a, mode: str) -> int:
     """A process other than 0: the same LLM, running process 0's requests until process 0 stops."""
     from specjax.cli import llm_from_args
-    llm = llm_from_args(a, num_pages=a.num_pages, seed=a.seed)
+    llm = llm_from_args(a, num_pages=a.num_pages, seed=a.seed, adaptive_steps=a.adaptive_steps)
     print(f"specjax serve: process {a.process_id} of {a.num_processes}: model {llm.model_dir} ({llm.dtype}), {mode}; "
           f"following process 0 (which answers the requests)", file=sys.stderr, flush=True)
     llm.follow()

@@ -84,6 +84,16 @@ def render_metrics(llm, state) -> str:
                     "Mean acceptance length: tokens per speculative step (bonus token included).",
                     [({}, f"{s.spec_tokens / s.spec_steps:.4f}")])
     _ttft(out, s)
+    if "steps_per_call_cap" in e:  # an Engine's stats (tests may render a few counters only)
+        kinds = ("decode", "spec", "lite")
+        _family(out, "specjax_decode_dispatches_total", "counter", "Decode dispatches (programs run) by kind.",
+                [({"kind": k}, e[f"{k}_dispatches"]) for k in kinds])
+        _family(out, "specjax_decode_dispatch_steps_total", "counter",
+                "Steps those dispatches ran by kind (steps per dispatch = this / dispatches).",
+                [({"kind": k}, e[f"{k}_dispatch_steps"]) for k in kinds])
+        _family(out, "specjax_steps_per_dispatch_cap", "gauge",
+                "Steps one decode dispatch may run now (adaptive: lower while the engine waits for the device).",
+                [({}, e["steps_per_call_cap"])])
     enabled = bool(e["prefix_cache"])
     _family(out, "specjax_prefix_cache_enabled", "gauge", "1 if prompt prefixes reuse cached KV pages.",
             [({}, int(enabled))])
