@@ -65,9 +65,10 @@ Device DFAs (SpecState.dfa, specjax.device_dfa; the static flag `dfa` of a dispa
 row): the state after the root is the slot's; the state at each tree node follows its path, the
 target's logits after each node are masked by it before acceptance (lossless: the masked target is
 what constrained plain decoding samples from), and the slot's new state is the accepted node's,
-stepped by the bonus token. The draft (sharing the target's vocabulary) drafts from its logits
-masked by each frontier node's state: a sampled chain's proposal is that masked law, so the rule
-stays exact, and where the regex fixes the text the draft proposes it.
+stepped by the bonus token. The draft drafts from its logits masked by each frontier node's state
+(an EAGLE-3 head over its reduced vocabulary, through its draft -> target id map; a node whose
+state allows none of the head's tokens keeps its unmasked law): a sampled chain's proposal is the
+law it drew from, so the rule stays exact, and where the regex fixes the text the draft proposes it.
 
 Penalties (SpecState.penalties set; specjax.penalties): acceptance sees the target's logits after
 each node penalised with the slot's counts plus the tokens on the node's path, i.e. exactly what
@@ -199,10 +200,31 @@ def _draft_rows(info, pen: PenaltyState | None, slots):
 
 def _draft_dfa(info, state: SpecState, rs, root_states):
     """(DFAView, the next roots' states [B]) for drafting under the rows' DFAs (None: no DFA in the
-    dispatch, or a draft with its own vocabulary: EAGLE-3 drafts unmasked, which costs acceptance only)."""
-    if root_states is None or info.method == "eagle3":
+    dispatch). An EAGLE-3 head drafts in its own vocabulary: _grow masks its logits through
+    _draft_vocab_view."""
+    if root_states is None:
         return None
     return dfa_lib.view(state.dfa, rs)._replace(state=root_states), root_states
+
+
+def _draft_vocab_view(info, draft, dv, vd: int):
+    """The DFA view that masks the draft's logits over its vocabulary of vd ids: dv itself where the
+    draft shares the target's; for an EAGLE-3 head the tables' token classes read through its draft ->
+    target id map (cls [M, Vd])."""
+    if info.method != "eagle3":
+        return dv
+    return dv._replace(cls=dv.cls[:, drafter.to_target(info, draft, jnp.arange(vd, dtype=jnp.int32))])
+
+
+def _mask_draft(info, lp, mv, states):
+    """Draft log-probs lp [B, F, Vd] masked by the frontier's DFA states [B, F]. An EAGLE-3 head's
+    reduced vocabulary may hold none of the tokens a state allows: such a node keeps its unmasked
+    law (its drafts are rejected by the masked target; a sampled chain's proposal q is the law it
+    drew from either way, so verification stays exact)."""
+    masked = dfa_lib.mask_logits(lp, mv, states)
+    if info.method != "eagle3":
+        return masked
+    return jnp.where(jnp.any(masked > -jnp.inf, axis=-1, keepdims=True), masked, lp)
 
 
 def grammar_levels(drafts, node, bonus, num_steps: int):
@@ -241,9 +263,9 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
     """Grow the next tree from the draft's output at the root (h_last [B, E], logits_last [B, Vd]).
     pen_rows: penalty rows of the batch (counts including the root) to draft from penalised logits.
     forced: [B, S] int32 grammar drafts of the first levels (grammar_levels; -1: the draft's own
-    choice), fed to the draft like its own tokens. dfa: (device_dfa.DFAView, the roots' states [B])
-    of a draft sharing the target's vocabulary: the draft drafts from its logits masked by each
-    frontier node's DFA state (the proposals q of a sampled chain are those masked laws, so
+    choice), fed to the draft like its own tokens. dfa: (device_dfa.DFAView, the roots' states [B]):
+    the draft drafts from its logits masked by each frontier node's DFA state (an EAGLE-3 head in its
+    own vocabulary: _draft_vocab_view; the proposals q of a sampled chain are those masked laws, so
     verification stays exact). Returns (Tree, draft_probs [B, N, V] or None, kv)."""
     S, k = spec.num_steps, spec.topk
     B = root.shape[0]
@@ -257,7 +279,8 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
     lp = jax.nn.log_softmax(logits_last, axis=-1)[:, None]  # [B, 1, Vd]
     if dfa is not None:
         dv, fstate = dfa[0], dfa[1][:, None]  # [B, F] DFA states of the frontier nodes
-        lp = dfa_lib.mask_logits(lp, dv, fstate)
+        mv = _draft_vocab_view(info, draft, dv, lp.shape[-1])
+        lp = _mask_draft(info, lp, mv, fstate)
     path = jnp.zeros((B, 1, 0), jnp.int32)  # target tokens below the root on the frontier's paths
     st_tok, st_score, st_par, qs = [], [], [], []
     fr = jnp.zeros((B, 1), jnp.int32)  # frontier: indices into the previous step's candidates
@@ -297,7 +320,7 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
         lp = jax.nn.log_softmax(lg, axis=-1)
         if dfa is not None:
             fstate = jnp.take_along_axis(cstate, fr, axis=1)  # [B, k]
-            lp = dfa_lib.mask_logits(lp, dv, fstate)
+            lp = _mask_draft(info, lp, mv, fstate)
     if spec.is_chain:
         tree = tree_lib.chain_tree(root, jnp.concatenate(st_tok, axis=1))
         probs = None

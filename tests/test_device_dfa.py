@@ -430,3 +430,60 @@ def test_other_regexes_compile_nothing(world, which):
         assert all(r.constraint_path == "device_dfa" and r.finish_reason == "length" for r in reqs)
         assert eng.num_compiled() == compiled and c.n == 0, f"compiled {c.n} executables"
         check_regex_outputs(reqs, [dict(regex=r) for r in rs])
+
+
+# ----------------------------------------------------------------------------- EAGLE-3 drafts
+
+def test_eagle3_drafts_masked_in_the_draft_vocabulary():
+    """An EAGLE-3 head's logits over its reduced vocabulary are masked by the state's allowed target
+    tokens read through its draft -> target id map; a node whose state allows none of the head's
+    tokens keeps its unmasked law (no all -inf row), and a shared-vocabulary draft is masked as is."""
+    import types
+
+    from specjax import step
+    td = token_dfa(REGEXES[1])  # (yes|no)!
+    dev = DeviceDFA(td, (EOS,))
+    cls, nxt = dev.padded(16, 32)
+    s_y = td.step(0, VOCAB.index("y"))  # after "y": only "e"
+    tables = dfa_lib.admit(dfa_lib.init_tables(2, 97, 16, 32), jnp.array([0, 1], jnp.int32),
+                           jnp.asarray(np.stack([cls] * 2)), jnp.asarray(np.stack([nxt] * 2)),
+                           jnp.array([0, s_y], jnp.int32))
+    v = dfa_lib.view(tables, jnp.array([0, 1], jnp.int32))
+    keep = [VOCAB.index(c) for c in "ynabc!"]  # the head's vocabulary: no "e"
+    to_target = np.array(keep, np.int32)
+    head = types.SimpleNamespace(to_target_ids=lambda ids: jnp.asarray(to_target)[ids])
+    info = DraftInfo("eagle3", (1, 2, 3))
+    mv = step._draft_vocab_view(info, head, v, len(keep))
+    lp = jnp.asarray(np.random.default_rng(0).normal(size=(2, 1, len(keep))), jnp.float32)
+    got = np.asarray(step._mask_draft(info, lp, mv, v.state[:, None]))
+    allowed0 = td.allowed(0)[to_target]  # at the start: "y" or "n"
+    np.testing.assert_array_equal(np.isfinite(got[0, 0]), allowed0)
+    assert allowed0.sum() == 2
+    np.testing.assert_array_equal(got[1, 0], np.asarray(lp[1, 0]))  # nothing allowed in the head's vocabulary
+    shared = DraftInfo("draft")
+    assert step._draft_vocab_view(shared, None, v, 97) is v
+    full = jnp.asarray(np.random.default_rng(1).normal(size=(2, 1, 97)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(step._mask_draft(shared, full, v, v.state[:, None])),
+                                  np.asarray(dfa_lib.mask_logits(full, v, v.state[:, None])))
+
+
+@pytest.mark.parametrize("topk,steps,m,temperature", [(1, 3, None, 0.0), (2, 3, 6, 0.0), (1, 3, None, 0.9)],
+                         ids=["chain-greedy", "tree-greedy", "chain-sampled"])
+def test_eagle3_head_under_the_dfa(world, topk, steps, m, temperature):
+    """A random EAGLE-3 head (reduced vocabulary) drafting under the device DFA: greedy outputs are plain
+    decoding's under the same constraints, token for token; sampled outputs follow the regexes. With
+    the forced regex the masked head proposes the fixed text wherever its vocabulary holds it."""
+    from test_spec_eagle import random_head
+    cfg, target, _, _, compiler, prompts, _ = world
+    head, ecfg = random_head(cfg, "eagle3", draft_vocab=70, aux_layers=(0, 1, 1))
+    spec = SpecConfig(method="eagle3", num_steps=steps, topk=topk, num_draft_tokens=m)
+    eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=4),
+                 jnp.float32, draft=Draft(head, ecfg.layer, DraftInfo("eagle3", ecfg.aux_layers), spec),
+                 grammar=compiler)
+    cons = [dict(regex=REGEXES[0]), {}, dict(regex=FORCED), dict(choice=["red", "green", "blue"])]
+    got = run(eng, prompts[:4], cons, max_tokens=30, temperature=temperature, top_p=0.9 if temperature else 1.0)
+    check_regex_outputs(got, cons)
+    assert all(r.constraint_path == "device_dfa" for r, c in zip(got, cons) if c)
+    if temperature == 0.0:
+        plain = run(engine(world, "plain", SchedulerOptions()), prompts[:4], cons, max_tokens=30)
+        assert outputs(got) == outputs(plain)
