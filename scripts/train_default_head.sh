@@ -9,7 +9,9 @@
 #               + an opener, T=1, top-p 0.95; SELF_INSTRUCT of them) and task prompts over the
 #               text of the installed Python (docstrings and code: summarize, answer from a passage,
 #               extract, rewrite, translate, explain / document / test / continue code; PASSAGES of
-#               them, built on the CPU while the GPU writes the self-instruct ones)
+#               them, built on the CPU while the GPU writes the self-instruct ones) and SCHEMAS
+#               prompts with random JSON schemas, answered under their schema in stage 1
+#               (specjax.train.schemas)
 #   1. data     the target's responses (specjax's engine, MAX_BATCH rows, temperatures 0/0.7/0/1.0
 #               in turn, up to MAX_TOKENS) to GSM8K train + those prompts, as token ids only; stops
 #               starting new chunks after DATA_BUDGET seconds
@@ -30,6 +32,7 @@ OUT=${OUT:-checkpoints/eagle3-smollm2-135m}
 GSM8K=${GSM8K:-data/train/gsm8k_train.jsonl}
 SELF_INSTRUCT=${SELF_INSTRUCT:-30000}
 PASSAGES=${PASSAGES:-30000}
+SCHEMAS=${SCHEMAS:-4000}  # prompts with random JSON schemas, answered under the schema (specjax.train.schemas)
 DATA_BUDGET=${DATA_BUDGET:-540}
 MAX_BATCH=${MAX_BATCH:-512}
 MAX_TOKENS=${MAX_TOKENS:-512}
@@ -57,7 +60,7 @@ if [ -f "$RUN/prompts.jsonl" ]; then
   echo "== prompts: reusing $RUN/prompts.jsonl ($(wc -l < "$RUN/prompts.jsonl") prompts)"
 else
   echo "== prompts: $PASSAGES over installed Python text (CPU, background) + $SELF_INSTRUCT written by the target"
-  JAX_PLATFORMS=cpu "$PY" scripts/train_eagle.py prompts --out "$RUN/passages.jsonl" --self-instruct 0 --passages "$PASSAGES" --seed "$SEED" &
+  JAX_PLATFORMS=cpu "$PY" scripts/train_eagle.py prompts --out "$RUN/passages.jsonl" --self-instruct 0 --passages "$PASSAGES" --schemas "$SCHEMAS" --seed "$SEED" &
   PASS_PID=$!
   "$PY" scripts/train_eagle.py prompts --out "$RUN/self_instruct.jsonl" --model "$MODEL" \
     --self-instruct "$SELF_INSTRUCT" --passages 0 --max-batch 1024 --seed "$SEED"

@@ -57,6 +57,8 @@ def add_prompt_args(p):
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--self-instruct", type=int, default=40000, help="user messages written by the target")
     p.add_argument("--passages", type=int, default=40000, help="task prompts over installed Python text")
+    p.add_argument("--schemas", type=int, default=0,
+                   help="prompts with random JSON schemas (their responses generated under the schema)")
     p.add_argument("--max-batch", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
 
@@ -112,6 +114,9 @@ def run_prompts(a) -> None:
     t0 = time.perf_counter()
     rows = prompts.passage_prompts(a.passages, seed=a.seed) if a.passages else []
     print(f"[prompts] {len(rows)} passage prompts in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if a.schemas:
+        from specjax.train.schemas import schema_prompts
+        rows += schema_prompts(a.schemas, seed=a.seed)
     if a.self_instruct:
         from specjax import LLM
         llm = LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=256)

@@ -143,7 +143,7 @@ def test_refuses_eval_sets(tmp_path):
     rows.write_text("\n".join(json.dumps(r) for r in [{"question": "q1"}, {"turns": ["q2", "x"]},
                                                       {"prompt": mt}, {"other": 1}]) + "\n")
     cfg = data_lib.DataConfig([str(rows)], str(tmp_path / "out"))
-    assert sorted(data_lib.select_prompts(cfg)) == ["q1", "q2"]  # the eval prompt is dropped
+    assert sorted(data_lib.select_prompts(cfg)) == [("q1", None), ("q2", None)]  # the eval prompt is dropped
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +316,62 @@ def test_init_head_continues_from_exported_weights(pipeline, tmp_path):
     assert got[0]["total"] < 0.75 * fresh[0]["total"], (got[0]["total"], fresh[0]["total"])
     with pytest.raises(CheckpointError, match="does not exist"):
         train(dataclasses.replace(cont, work_dir=str(tmp_path / "w2"), init_head=str(tmp_path / "nohead")))
+
+
+def test_schema_prompts_stay_on_the_device_dfa():
+    """The random schemas of specjax.train.schemas: reproducible with a seed, varied, and each in
+    the subset json_schema_regex puts on the device DFA (no request falls back to the host path)."""
+    from specjax.json_schema_regex import schema_regex
+    from specjax.train.schemas import schema_prompts
+    rows = schema_prompts(300, seed=4)
+    assert rows == schema_prompts(300, seed=4) and rows != schema_prompts(300, seed=5)
+    assert len({json.dumps(r["json_schema"]) for r in rows}) > 250
+    for r in rows:
+        assert r["source"] == "schema" and json.dumps(r["json_schema"]) in r["prompt"]
+        schema_regex(r["json_schema"])  # raises SchemaUnsupported otherwise
+
+
+def test_schema_rows_are_generated_under_their_schema(tmp_path):
+    """A prompt row with "json_schema" is answered under that schema: on the default model, every
+    stored response token is one the schema's token DFA allows (a response cut by max_tokens is a
+    prefix; one that ended validates as JSON), and the unconstrained row is not constrained."""
+    from helpers import default_model_or_skip
+    jsonschema = pytest.importorskip("jsonschema")
+    xgrammar = pytest.importorskip("xgrammar")
+    from specjax.checkpoint import load_tokenizer
+    from specjax.json_schema_regex import schema_regex
+    from specjax.regex_dfa import compile_regex
+    from specjax.token_dfa import build_token_dfa, vocab_token_bytes
+    from specjax.train.schemas import schema_prompts
+    model = default_model_or_skip()
+    rows = schema_prompts(2, seed=1) + [{"question": "Say hi."}]
+    f = tmp_path / "train.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = data_lib.DataConfig([str(f)], str(tmp_path / "out"), model_dir=str(model), dtype="float32",
+                              temperatures=(0.0,), max_tokens=96, max_seq_len=512, max_batch=4, chunk_prompts=8,
+                              features=False, progress=False)
+    man = data_lib.build_data(cfg)
+    assert man["shards"][0]["schema_seqs"] == 2 and man["shards"][0]["failed"] == 0
+    _, shards = data_lib.load_shards(tmp_path / "out")
+    tok = load_tokenizer(model)
+    info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=49152)
+    sh = shards[0]
+    checked = 0
+    for i in range(len(sh.prompt_lens)):
+        start, end = sh.offsets[i] + sh.prompt_lens[i], sh.offsets[i + 1]
+        prompt = tok.decode(sh.ids[sh.offsets[i]: start])
+        row = next(r for r in rows if r.get("prompt", r.get("question")) in prompt)
+        if "json_schema" not in row:
+            continue
+        td = build_token_dfa(compile_regex(schema_regex(row["json_schema"]), xgrammar=True),
+                             vocab_token_bytes(info), info.stop_token_ids, 49152)
+        state = 0
+        for t in sh.ids[start:end].tolist():
+            if t in info.stop_token_ids:
+                assert td.accept[state]
+                text = tok.decode(sh.ids[start:end], skip_special_tokens=True)
+                jsonschema.validate(json.loads(text), row["json_schema"])
+                break
+            state = td.step(state, t)  # raises on a token the schema forbids
+        checked += 1
+    assert checked == 2

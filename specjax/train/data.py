@@ -1,6 +1,7 @@
 """Training data for EAGLE-3 heads: prompts -> target responses -> target features, in shards.
 
-    prompts (jsonl: "turns"[0] | "prompt" | "question" | "instruction")
+    prompts (jsonl: "turns"[0] | "prompt" | "question" | "instruction"; a row's "json_schema":
+             its response generated under that schema, specjax.train.schemas)
       -> the target's chat template -> LLM.generate at several temperatures (one per prompt, in turn)
       -> one target prefill over prompt + response (specjax.train.features), or with
          features=False nothing more: the training step computes the features on the fly
@@ -56,8 +57,9 @@ def prompt_text(row: dict) -> str | None:
     return None
 
 
-def read_prompts(path: str | Path, *, allow_eval: bool = False) -> list[str]:
-    """Prompts of a jsonl file (lines without a usable field are skipped)."""
+def read_prompt_items(path: str | Path, *, allow_eval: bool = False) -> list[tuple[str, dict | None]]:
+    """(prompt, json_schema or None) of each usable line of a jsonl file: a row's "json_schema"
+    (specjax.train.schemas) makes its response generated under that schema."""
     if not allow_eval:
         check_not_eval(path)
     out = []
@@ -70,9 +72,17 @@ def read_prompts(path: str | Path, *, allow_eval: bool = False) -> list[str]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{n}: not valid JSON ({e})") from None
             text = prompt_text(row) if isinstance(row, dict) else None
+            schema = row.get("json_schema") if isinstance(row, dict) else None
+            if schema is not None and not isinstance(schema, dict):
+                raise DataError(f"{path}:{n}: json_schema must be an object, got {type(schema).__name__}")
             if text and text.strip():
-                out.append(text)
+                out.append((text, schema))
     return out
+
+
+def read_prompts(path: str | Path, *, allow_eval: bool = False) -> list[str]:
+    """Prompts of a jsonl file (lines without a usable field are skipped)."""
+    return [t for t, _ in read_prompt_items(path, allow_eval=allow_eval)]
 
 
 def eval_prompt_set(directory: Path = EVAL_PROMPTS_DIR) -> set[str]:
@@ -120,18 +130,18 @@ def _write_manifest(data_dir: Path, man: dict) -> None:
     tmp.replace(data_dir / MANIFEST)
 
 
-def select_prompts(cfg: DataConfig) -> list[str]:
-    """All prompts of cfg.prompt_files, deduplicated, minus evaluation prompts, shuffled with
-    cfg.seed, at most cfg.max_prompts."""
+def select_prompts(cfg: DataConfig) -> list[tuple[str, dict | None]]:
+    """All (prompt, json_schema or None) of cfg.prompt_files, deduplicated, minus evaluation prompts,
+    shuffled with cfg.seed, at most cfg.max_prompts."""
     seen, prompts = set(), []
     banned = eval_prompt_set()
     for f in cfg.prompt_files:
-        for t in read_prompts(f):
+        for t, schema in read_prompt_items(f):
             key = t.strip()
             if key in seen or key in banned:
                 continue
             seen.add(key)
-            prompts.append(t)
+            prompts.append((t, schema))
     random.Random(cfg.seed).shuffle(prompts)
     return prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
 
@@ -216,12 +226,12 @@ def build_data(cfg: DataConfig) -> dict:
     return man
 
 
-def _make_chunk(cfg: DataConfig, llm, extractor, texts: list[str], first_index: int):
+def _make_chunk(cfg: DataConfig, llm, extractor, items: list[tuple[str, dict | None]], first_index: int):
     from specjax import SamplingParams
 
     t0 = time.perf_counter()
     ids, params = [], []
-    for i, text in enumerate(texts):
+    for i, (text, schema) in enumerate(items):
         prompt = llm.apply_chat_template([{"role": "user", "content": text}]) if cfg.chat else text
         p = llm.tokenizer.encode(prompt, add_special_tokens=False)
         if not p or len(p) + cfg.max_tokens > cfg.max_seq_len:
@@ -230,8 +240,13 @@ def _make_chunk(cfg: DataConfig, llm, extractor, texts: list[str], first_index: 
         g = first_index + i
         params.append(SamplingParams(max_tokens=cfg.max_tokens,
                                      temperature=float(cfg.temperatures[g % len(cfg.temperatures)]),
-                                     seed=cfg.seed * 1_000_003 + g))
+                                     seed=cfg.seed * 1_000_003 + g, json_schema=schema))
     outs = llm.generate(ids, params) if ids else []
+    kept = [(p, o) for p, o in zip(ids, outs) if o.finish_reason != "error"]  # a schema it cannot serve
+    failed = len(outs) - len(kept)
+    if failed:
+        _log(f"{failed} prompt(s) failed and were left out: {next(o.error for o in outs if o.finish_reason == 'error')}")
+    ids, outs = [p for p, _ in kept], [o for _, o in kept]
     seqs = [p + o.token_ids for p, o in zip(ids, outs)]
     gen_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -239,7 +254,8 @@ def _make_chunk(cfg: DataConfig, llm, extractor, texts: list[str], first_index: 
     feat_s = time.perf_counter() - t1
     shard = Shard.build(seqs, [len(p) for p in ids], feats)
     return shard, {"gen_s": round(gen_s, 2), "feat_s": round(feat_s, 2),
-                   "gen_tokens": int(sum(len(o.token_ids) for o in outs))}
+                   "gen_tokens": int(sum(len(o.token_ids) for o in outs)),
+                   "schema_seqs": sum(schema is not None for _, schema in items), "failed": failed}
 
 
 def load_shards(data_dir: str | Path) -> tuple[dict, list[Shard]]:
