@@ -393,7 +393,17 @@ def server_ttft(m0: dict, m1: dict) -> dict:
     for p in ("prepare", "pickup", "engine"):
         key = f'{name}_phase_seconds_total{{phase="{p}"}}'
         out[f"server_ttft_{p}_ms"] = (m1.get(key, 0) - m0.get(key, 0)) * 1e3 / n
-    return out
+    return {**out, **steps_per_dispatch(m0, m1)}
+
+
+def steps_per_dispatch(m0: dict, m1: dict) -> dict:
+    """Mean decode steps per dispatch over a run (all kinds; /metrics deltas): with adaptive steps
+    (`specjax serve`'s default) it shows where the cap ran, e.g. low at light load, high at saturation."""
+    keys = [k for k in m1 if k.startswith("specjax_decode_dispatches_total")]
+    n = sum(m1[k] - m0.get(k, 0) for k in keys)
+    steps = sum(m1[k.replace("dispatches_total", "dispatch_steps_total")]
+                - m0.get(k.replace("dispatches_total", "dispatch_steps_total"), 0) for k in keys)
+    return {"steps_per_dispatch": steps / n} if n else {}
 
 
 def print_table(results, a) -> None:
@@ -412,12 +422,14 @@ def print_table(results, a) -> None:
     if rows:
         print("\nTime to first token inside the server (mean ms, from /metrics; the rest of the client's TTFT is "
               "HTTP and the client)\n")
-        print("| mode | prefix cache | rate | client TTFT mean | server TTFT mean | prepare | pickup | engine |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| mode | prefix cache | rate | client TTFT mean | server TTFT mean | prepare | pickup | engine "
+              "| steps / dispatch |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['mode']} | {r['prefix_cache']} | {r['rate']:g} | {r.get('ttft_mean_ms', math.nan):.1f} | "
                   f"{r['server_ttft_mean_ms']:.1f} | {r['server_ttft_prepare_ms']:.1f} | "
-                  f"{r['server_ttft_pickup_ms']:.1f} | {r['server_ttft_engine_ms']:.1f} |")
+                  f"{r['server_ttft_pickup_ms']:.1f} | {r['server_ttft_engine_ms']:.1f} | "
+                  f"{r.get('steps_per_dispatch', math.nan):.2f} |")
 
 
 def print_goals(results, long_results, a) -> None:

@@ -23,3 +23,14 @@ def test_window_gaps_by_the_later_chunk():
     # the end is exclusive, the start inclusive: 0.2 -> 0.5 ends at 0.5
     assert [round(g) for g in window_gaps(streams, 0.5, 0.6)] == [300, 100]
     assert window_gaps(streams, 1.0, 2.0) == [] and window_gaps([[], [0.3]], 0.0, 1.0) == []
+
+
+def test_steps_per_dispatch_from_metrics():
+    """bench_serve's mean steps per dispatch: /metrics deltas summed over the dispatch kinds."""
+    from bench_serve import steps_per_dispatch
+    d, s = "specjax_decode_dispatches_total", "specjax_decode_dispatch_steps_total"
+    m0 = {f'{d}{{kind="decode"}}': 10, f'{s}{{kind="decode"}}': 80}
+    m1 = {f'{d}{{kind="decode"}}': 20, f'{s}{{kind="decode"}}': 100, f'{d}{{kind="spec"}}': 5,
+          f'{s}{{kind="spec"}}': 10}
+    assert steps_per_dispatch(m0, m1) == {"steps_per_dispatch": 30 / 15}
+    assert steps_per_dispatch(m1, m1) == {}

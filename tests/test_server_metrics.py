@@ -78,6 +78,11 @@ def test_shared_pages_count_once_and_prefix_counters_are_the_engines(world):
     assert m["specjax_kv_pages_used"] == m["specjax_requests_running"] == 0
     assert m["specjax_kv_pages_cached"] == st["pages_cached"] > 0  # the registered pages stay for reuse
     assert m["specjax_prefix_cache_evictions_total"] == st["prefix_cache_evictions"]
+    for kind in ("decode", "spec", "lite"):  # decode dispatches and their steps, the engine's own counts
+        assert m[f'specjax_decode_dispatches_total{{kind="{kind}"}}'] == st[f"{kind}_dispatches"]
+        assert m[f'specjax_decode_dispatch_steps_total{{kind="{kind}"}}'] == st[f"{kind}_dispatch_steps"]
+    assert m['specjax_decode_dispatches_total{kind="decode"}'] > 0
+    assert m["specjax_steps_per_dispatch_cap"] == st["steps_per_call_cap"] == eng.batch_opts.steps_per_call
 
 
 def test_prefix_cache_off_exports_no_prefix_figures(world):
