@@ -48,7 +48,8 @@ class StepsCap:
     steps per dispatch would cost throughput and K doubles back. The signal: the share of the engine
     loop's wall time spent waiting for device results, averaged over recent steps (`observe`). K
     changes only how steps are grouped into dispatches: outputs are those of any fixed K (tests).
-    Not adaptive: the configured steps per call."""
+    Each level's programs compile on first use per batch bucket (then the persistent cache), like any
+    new shape. Not adaptive: the configured steps per call."""
     SHRINK_ABOVE, GROW_BELOW = 0.5, 0.2  # waiting share of the loop; between them K stays
     ALPHA = 0.25  # weight of the newest step in the average
     MAX_LEVEL = 2  # K >= steps_per_call / 4

@@ -162,12 +162,8 @@ def _jsonl(tmp_path, prompts):
     return f
 
 
-@pytest.mark.parametrize("extra, expect", [
-    ([], (True, SchedulerOptions.dfa_max_states, SchedulerOptions.dfa_max_classes)),
-    (["--no-device-dfa", "--dfa-max-states", "64", "--dfa-max-classes", "32"], (False, 64, 32)),
-])
-def test_device_dfa_flags_reach_the_scheduler(tiny, monkeypatch, extra, expect):
-    """--no-device-dfa / --dfa-max-states / --dfa-max-classes become the LLM's SchedulerOptions."""
+def llm_arguments(monkeypatch, argv) -> dict:
+    """The keyword arguments `main(argv)` builds its LLM with (the LLM itself never built)."""
     seen = {}
 
     class Capture:
@@ -178,7 +174,17 @@ def test_device_dfa_flags_reach_the_scheduler(tiny, monkeypatch, extra, expect):
     # lazy __getattr__ and so later patches of specjax.llm.LLM, e.g. in test_grammar_smollm2)
     monkeypatch.setattr(specjax.llm, "LLM", Capture)
     with pytest.raises(SystemExit):
-        main(["generate", "--model", str(tiny), "--prompt", "w5", "--regex", "w[0-9]", *extra])
+        main(argv)
+    return seen
+
+
+@pytest.mark.parametrize("extra, expect", [
+    ([], (True, SchedulerOptions.dfa_max_states, SchedulerOptions.dfa_max_classes)),
+    (["--no-device-dfa", "--dfa-max-states", "64", "--dfa-max-classes", "32"], (False, 64, 32)),
+])
+def test_device_dfa_flags_reach_the_scheduler(tiny, monkeypatch, extra, expect):
+    """--no-device-dfa / --dfa-max-states / --dfa-max-classes become the LLM's SchedulerOptions."""
+    seen = llm_arguments(monkeypatch, ["generate", "--model", str(tiny), "--prompt", "w5", "--regex", "w[0-9]", *extra])
     s = seen["scheduler"]
     assert (s.device_dfa, s.dfa_max_states, s.dfa_max_classes) == expect
 
@@ -191,15 +197,8 @@ def test_bad_dfa_limit_is_a_usage_error(capsys, no_load):
 def test_steps_per_call_flags_reach_the_llm(tiny, monkeypatch):
     """--steps-per-call / --spec-steps-per-call become the LLM's (BatchOptions') steps per dispatch;
     0 is a usage error naming the flag, and BatchOptions refuses it too."""
-    seen = {}
-
-    class Capture:
-        def __init__(self, *a, **k):
-            seen.update(k)
-            raise SystemExit(0)
-    monkeypatch.setattr(specjax.llm, "LLM", Capture)
-    with pytest.raises(SystemExit):
-        main(["generate", "--model", str(tiny), "--prompt", "w5", "--steps-per-call", "2", "--spec-steps-per-call", "3"])
+    seen = llm_arguments(monkeypatch, ["generate", "--model", str(tiny), "--prompt", "w5", "--steps-per-call", "2",
+                                       "--spec-steps-per-call", "3"])
     assert (seen["steps_per_call"], seen["spec_steps_per_call"]) == (2, 3)
     monkeypatch.undo()
     llm = specjax.llm.LLM(tiny, max_batch=1, max_seq_len=64, steps_per_call=2, spec_steps_per_call=3)
