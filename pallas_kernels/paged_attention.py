@@ -39,6 +39,9 @@ How the kernels split the work (data flow of one call):
 
 With a block mask the pages cover only the prefix k < m (every prefix entry is visible to every
 query), so the kernels never gather a mask; the tree part is W <= a few dozen entries per row.
+The Mosaic GPU kernel instead reads the block entries from their pages too and masks them in the
+kernel (`block_bounds` + `pack_block_rows` + `visible_block`: the block mask packed to 32-bit words
+per query row), which saves block_partial's and combine's ~10 small XLA kernels per call.
 """
 from __future__ import annotations
 
@@ -177,6 +180,42 @@ def row_bounds(q_start, kv_len, mask_start, has_block: bool, g: Geometry):
     else:
         diag = m
     return jnp.stack([kend, diag, q_start, jnp.zeros_like(kend)], axis=1)
+
+
+def block_bounds(q_start, kv_len, mask_start, g: Geometry):
+    """[B, 4] int32 (kend, diag, qpos, m) for a kernel that masks the block entries itself: the keys
+    [0, kv_len) are read from the pages, the prefix k < m is visible to every token and a key
+    m <= k < m + W is visible to token t iff block_mask[b, t, k - m] (`visible_block`)."""
+    q_start = q_start.astype(jnp.int32)
+    m = q_start if mask_start is None else mask_start.astype(jnp.int32)
+    kend = jnp.clip(kv_len.astype(jnp.int32), 0, g.capacity)
+    diag = jnp.full_like(kend, g.capacity)
+    return jnp.stack([kend, diag, q_start, m], axis=1)
+
+
+def pack_block_rows(block_mask, g: Geometry):
+    """block_mask [B, T, W] -> [B, NW, Rp] int32, NW = ceil(W / 32): bit w % 32 of word w // 32 of query
+    row r = t * G + g is block_mask[b, t, w] (rows past R are zero)."""
+    B, T, W = block_mask.shape
+    nw = -(-W // 32)
+    bm = jnp.pad(block_mask.astype(bool), ((0, 0), (0, 0), (0, nw * 32 - W)))
+    bits = bm.reshape(B, T, nw, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+    words = jax.lax.bitcast_convert_type(jnp.sum(bits, axis=-1, dtype=jnp.uint32), jnp.int32)  # [B, T, NW]
+    rows = jnp.broadcast_to(words.transpose(0, 2, 1)[:, :, :, None], (B, nw, T, g.G)).reshape(B, nw, T * g.G)
+    return jnp.pad(rows, ((0, 0), (0, 0), (0, g.Rp - g.R)))
+
+
+def visible_block(kidx, m, W: int, words):
+    """Kernel-side block mask: keys kidx [BQ, BK] int32 below m are visible (the prefix); m <= k < m + W
+    iff their bit is set in words[(k - m) // 32] ([BQ, BK] int32 each: the query row's packed words,
+    broadcast along the keys); keys at m + W and beyond are not. Shifts and masks only."""
+    rel = kidx - m
+    bit = jnp.zeros_like(rel)
+    idx = rel & 31
+    word = jax.lax.shift_right_arithmetic(rel, jnp.full_like(rel, 5))
+    for w, x in enumerate(words):
+        bit = bit | jnp.where(word == w, jax.lax.shift_right_logical(x, idx), 0)
+    return (rel < 0) | ((rel < W) & ((bit & 1) == 1))
 
 
 def key_range(bounds_b, t_lo, t_hi, window):

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.paged_attention import NEG, Geometry, geometry, key_range, run_paged, split_range, visible
+from pallas_kernels.paged_attention import (NEG, Geometry, block_bounds, combine, geometry, group_queries, key_range,
+                                            pack_block_rows, run_paged, split_range, ungroup, visible, visible_block)
 
 __all__ = ["paged_attention_mosaic", "why_not_mosaic"]
 
@@ -65,9 +66,12 @@ def _out_rows(g: Geometry) -> int:
     return g.Rp if g.num_q_blocks > 1 else -(-g.R // 8) * 8
 
 
-def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, bounds_ref, pt_ref, q_ref, kv_ref, o_ref, lse_ref, scratch):
+def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, bounds_ref, pt_ref, q_ref, kv_ref, bits_ref,
+          o_ref, lse_ref, scratch):
     """bounds_ref [B, 4], pt_ref [B, P] int32, q_ref [B, Hkv, Rp, D], kv_ref [N, ps, 2, Hkv, D]
-    (GMEM); o_ref [B, Hkv, S, R', D] f32, lse_ref [B, Hkv, S, R'] f32 (GMEM; R' = _out_rows)."""
+    (GMEM); o_ref [B, Hkv, S, R', D] f32, lse_ref [B, Hkv, S, R'] f32 (GMEM; R' = _out_rows).
+    W > 0: a block of W entries from bounds_ref[b, 3] on, masked per query row by bits_ref
+    [B, ceil(W / 32), Rp] int32 (pack_block_rows); W = 0: bits_ref is None."""
     plgpu = _plgpu()
     q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar = scratch
     BQ, BK, ps = g.block_q, _block_kv(g.ps), g.ps
@@ -110,6 +114,14 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, bounds_ref, 
         cast = plgpu.layout_cast
     row = iota(0) + r0  # query row t * G + g
     col = iota(1)
+    words = []  # the block mask bits of this CTA's query rows, broadcast along the keys
+    for w in range(-(-W // 32)):
+        if interpret:
+            x = bits_ref[b, w, pl.ds(r0, BQ)]
+        else:
+            x = plgpu.load(bits_ref, (b, w, pl.ds(r0, BQ)), layout=wg.reduce(1), optimized=False)
+        words.append(lax.broadcast_in_dim(x, (BQ, BK), [0]))
+    m_blk = bounds_ref[b, 3]
 
     def step(j, carry):
         acc, m, l = carry
@@ -129,6 +141,8 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, bounds_ref, 
             sc = pl.run_scoped(qk, plgpu.ACC((BQ, BK), jnp.float32))
         sc = sc * g.scale
         ok = visible(col + j * BK, row, (kend, diag, qpos), g.G, g.window)
+        if W:
+            ok = ok & visible_block(col + j * BK, m_blk, W, words)
         sc = jnp.where(ok, sc, NEG)
         m_new = jnp.maximum(m, sc.max(axis=1))
         p = jnp.where(ok, jnp.exp(sc - lax.broadcast_in_dim(m_new, sc.shape, [0])), 0.0)
@@ -185,7 +199,8 @@ def auto_splits(g: Geometry, target_ctas: int = 264) -> int:
     return int(max(1, min(-(-target_ctas // max(ctas, 1)), MAX_SPLITS)))
 
 
-def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages: int, interpret: bool):
+def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages: int, interpret: bool, bits=None,
+           W: int = 0):
     plgpu = _plgpu()
     dtype = qg.dtype
     S = num_splits or auto_splits(g)
@@ -203,9 +218,10 @@ def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages:
         plgpu.Barrier(num_arrivals=BK // g.ps, num_barriers=stages),
     ]
 
-    def entry(bounds_ref, pt_ref, q_ref, kv_ref, o_ref, lse_ref):
-        pl.run_scoped(lambda *sc: _body(g, S, stages, dtype, interpret, bounds_ref, pt_ref, q_ref, kv_ref, o_ref, lse_ref, sc),
-                      *scratch)
+    def entry(bounds_ref, pt_ref, q_ref, kv_ref, *rest):
+        bits_ref, (o_ref, lse_ref) = (rest[0], rest[1:]) if W else (None, rest)
+        pl.run_scoped(lambda *sc: _body(g, S, stages, dtype, interpret, W, bounds_ref, pt_ref, q_ref, kv_ref, bits_ref,
+                                        o_ref, lse_ref, sc), *scratch)
 
     kw = {} if not interpret else {"interpret": _interpret_params()}
     o, lse = pl.kernel(
@@ -215,19 +231,22 @@ def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages:
         mesh=plgpu.Mesh(grid=(g.B, g.Hkv, g.num_q_blocks * S), grid_names=("row", "head", "qs")),
         name="paged_attention_mosaic",
         **kw,
-    )(bounds, page_table, qg, kv_pages)
+    )(bounds, page_table, qg, kv_pages, *([bits] if W else []))
     return o, lse
 
 
 def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=None, *, sliding_window=None,
                            scale=None, mask_start=None, num_splits: int | None = None, stages: int = 2,
-                           block_q: int | None = None, block_kv: int | None = None, interpret: bool = False):
+                           block_q: int | None = None, block_kv: int | None = None, interpret: bool = False,
+                           block_in_kernel: bool = True):
     """Same contract as `paged_attention_reference`, as a Mosaic GPU kernel (Hopper) that reads
     only the live key blocks of each row. num_splits: splits of each row's key range (None: about
     two CTAs per SM, see auto_splits); stages: key blocks in flight per CTA; block_q: 64 or 128
     query rows per CTA (None: 64 up to 128 rows per KV head (a 17-node tree: two CTAs), else 128); block_kv is
     max(64, page_size) (other values are an error); interpret: run in the Mosaic GPU interpreter
-    on CPU (slow; for tests)."""
+    on CPU (slow; for tests). block_in_kernel: a block mask (tree verify, draft growth) is applied
+    inside the kernel, which reads the block entries from their pages like the prefix (False: the
+    shared dense block_partial + combine in XLA, ~10 more small kernels per call)."""
     why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
     if why is not None:
         raise ValueError(f"paged_attention_mosaic: {why}")
@@ -238,4 +257,9 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
         block_q = 64 if q.shape[1] * (q.shape[2] // kv_pages.shape[3]) <= 128 else 128  # 17-node verify: 2 x 64
     g = geometry(q, kv_pages, page_table, block_q, sliding_window, scale)
     fn = functools.partial(_paged, num_splits=num_splits, stages=stages, interpret=interpret)
-    return run_paged(fn, q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g)
+    if block_mask is None or not block_in_kernel:
+        return run_paged(fn, q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g)
+    bounds = block_bounds(q_start, kv_len, mask_start, g)
+    o, lse = fn(group_queries(q, g), kv_pages, page_table.astype(jnp.int32), bounds, g,
+                bits=pack_block_rows(block_mask, g), W=block_mask.shape[2])
+    return ungroup(combine([(o[:, :, :, : g.R], lse[:, :, :, : g.R])]), g, q.dtype)

@@ -65,6 +65,19 @@ def test_mosaic_interpreted_matches_reference(mode, page_size, num_splits, T, H,
     assert_valid_close(got, want, case.num_new, atol=3e-2)
 
 
+@needs_gpu_interpreter
+@pytest.mark.parametrize("T,block_in_kernel,seed", [(40, True, 7), (17, False, 8)])
+def test_mosaic_interpreted_tree_mask_in_kernel_and_dense(T, block_in_kernel, seed):
+    """Tree verify with the block mask applied inside the kernel over two 32-bit words per query row
+    (a 40-node tree), and the dense block path (block_partial + combine) that the kernel replaced."""
+    from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
+    case = make_case(np.random.default_rng(seed), "verify", page_size=16, B=3, T=T, H=4, D=64, dtype=jnp.bfloat16)
+    assert case.block_mask is not None and case.block_mask.shape[2] > (32 if T > 32 else 0)
+    want = _ref(case)
+    got = _run(paged_attention_mosaic, case, block_in_kernel=block_in_kernel)
+    assert_valid_close(got, want, case.num_new, atol=3e-2)
+
+
 SMOLLM2_CASES = [  # (mode, T, seed): SmolLM2-135M's geometry (9 query heads, 3 KV heads: G = 3; head_dim 64),
     # page size 16, 2 rows as the speculative engine runs batch 1 (row 1: a padding row with row 0's pages
     # and no keys), num_splits auto (32 splits at 2 rows: most CTAs find no key block)

@@ -119,7 +119,7 @@ def test_pallas_lowers_for_triton(dtype, T, tree):
     assert "xla.gpu.triton" in exp(*_engine_shapes(dtype, T, tree)).mlir_module()
 
 
-@pytest.mark.parametrize("T,tree,window", [(1, False, None), (17, True, None), (300, False, 64)])
+@pytest.mark.parametrize("T,tree,window", [(1, False, None), (17, True, None), (40, True, None), (300, False, 64)])
 def test_mosaic_lowers_for_cuda(T, tree, window):
     """The Mosaic GPU kernel's lowering (TMA page copies into swizzled SMEM, wgmma with 64 and 128
     rows, barriers, masks) for CUDA: decode, tree verify, prefill with a sliding window; compiling
