@@ -70,7 +70,9 @@ def add_train_args(p, data_required=True):
     p.add_argument("--export", default=None, help="write the trained head here (a specjax draft directory)")
     p.add_argument("--train-model", default=None, help="target dir (default: the one the data was made with)")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="rows per device (a step: devices x this)")
+    p.add_argument("--devices", type=int, default=None, help="data parallel over the first N local devices "
+                   "(default: all)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=50)
@@ -131,8 +133,8 @@ def run_prompts(a) -> None:
 def run_train(a, data_dir: str, command: str) -> dict:
     from specjax.train.trainer import TrainConfig, train
     cfg = TrainConfig(data_dir=data_dir, work_dir=a.work, export_dir=a.export, model_dir=a.train_model,
-                      steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup,
-                      min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, clip=a.clip,
+                      steps=a.steps, batch_size=a.batch_size, devices=a.devices, seq_len=a.seq_len, lr=a.lr,
+                      warmup=a.warmup, min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, clip=a.clip,
                       ttt_steps=a.ttt_steps, decay=a.decay, draft_vocab_size=a.draft_vocab,
                       init_from_target=not a.no_target_init, init_head=a.init_head,
                       ckpt_every=a.ckpt_every, log_every=a.log_every, heldout=a.heldout,

@@ -159,7 +159,7 @@ def pipeline(tmp_path_factory):
     man = data_lib.build_data(dcfg)
     tcfg = TrainConfig(data_dir=str(root / "data"), work_dir=str(root / "work"), export_dir=str(root / "head"),
                        steps=30, batch_size=2, seq_len=64, lr=3e-2, warmup=3, ttt_steps=3, draft_vocab_size=VD,
-                       ckpt_every=20, log_every=5, progress=False, export_dtype="float32")
+                       ckpt_every=20, log_every=5, progress=False, export_dtype="float32", devices=1)
     summary = train(tcfg)
     return root, model, man, tcfg, summary, dcfg
 
@@ -295,6 +295,41 @@ def test_token_only_data_trains_with_heldout(pipeline, tmp_path):
     assert all(0.0 <= a <= 1.0 for a in held[-1]["acc"])
     assert s["final"]["heldout"] == held[-1]
     assert "acc@k held-out" in (tmp_path / "head" / "TRAINING.md").read_text()
+
+
+def test_two_devices_train_as_one(pipeline, tmp_path):
+    """Data parallel over 2 devices (2 rows each) is the 1-device run on the same global batch of 4
+    rows: the same losses, held-out metrics and weights (float32 tolerance), also across a
+    checkpoint and resume. Token ids only: the target's features are computed on the split batch."""
+    from specjax.checkpoint import load_config, load_draft_flat
+    if len(jax.local_devices()) < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py asks for 8 CPU devices)")
+    root, model, _, tcfg, _, dcfg = pipeline
+    data_lib.build_data(dataclasses.replace(dcfg, out_dir=str(tmp_path / "d"), features=False))
+    base = dataclasses.replace(tcfg, data_dir=str(tmp_path / "d"), steps=6, log_every=1, eval_every=3,
+                               heldout=0.25, ckpt_every=100)
+    one = train(dataclasses.replace(base, work_dir=str(tmp_path / "w1"), export_dir=str(tmp_path / "h1"),
+                                    devices=1, batch_size=4))
+    two = dataclasses.replace(base, work_dir=str(tmp_path / "w2"), export_dir=str(tmp_path / "h2"),
+                              devices=2, batch_size=2)
+    assert train(dataclasses.replace(two, stop_at=3))["step"] == 3
+    s2 = train(dataclasses.replace(two, resume=True))
+    assert s2["resumed_from"] == 3 and s2["tokens_per_step"] == one["tokens_per_step"] == 4 * tcfg.seq_len
+    assert s2["config"]["devices"] == 2 and "batch 4 (2 devices x 2)" in (tmp_path / "h2" / "TRAINING.md").read_text()
+    logs = [[json.loads(x) for x in (tmp_path / w / "train_log.jsonl").read_text().splitlines()] for w in ("w1", "w2")]
+    assert [r["step"] for r in logs[1]] == [r["step"] for r in logs[0]] == list(range(1, 7))
+    for a, b in zip(*logs):
+        np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5, err_msg=f"step {a['step']}")
+        np.testing.assert_allclose(b["gnorm"], a["gnorm"], rtol=1e-4, err_msg=f"step {a['step']}")
+        assert b["count"] == a["count"]
+        if "heldout" in a:
+            assert b["heldout"]["acc"] == a["heldout"]["acc"]
+            np.testing.assert_allclose(b["heldout"]["loss"], a["heldout"]["loss"], rtol=1e-4, atol=1e-4)
+    cfg = load_config(model)
+    w1, _, _ = load_draft_flat(tmp_path / "h1", cfg, "float32")
+    w2, _, _ = load_draft_flat(tmp_path / "h2", cfg, "float32")
+    for k in w1:
+        np.testing.assert_allclose(np.asarray(w2[k]), np.asarray(w1[k]), rtol=1e-4, atol=1e-5, err_msg=k)
 
 
 def test_init_head_continues_from_exported_weights(pipeline, tmp_path):

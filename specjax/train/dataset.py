@@ -14,6 +14,7 @@ only (0 inside, -1 outside); the step maps the target's argmax there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -137,21 +138,26 @@ def pack(shards: list[Shard], t2d: np.ndarray, seq_len: int, seed: int = 0) -> P
     return out
 
 
-@jax.jit
-def _take(arrays, idx):
-    return jax.tree.map(lambda a: a[idx], arrays)
+@functools.lru_cache(maxsize=8)
+def take_fn(sharding=None):
+    """Jitted (arrays, idx) -> each array's rows idx, placed by `sharding` (None: jit's default);
+    with a batch sharding over a mesh, each device gathers its own rows of the replicated arrays."""
+    return jax.jit(lambda arrays, idx: jax.tree.map(lambda a: a[idx], arrays), out_shardings=sharding)
 
 
 class Batches:
     """Deterministic batches of packed rows: batch `step` is a pure function of (seed, step), so a
-    resumed run sees the same data as an uninterrupted one. Each epoch is a fresh permutation."""
+    resumed run sees the same data as an uninterrupted one. Each epoch is a fresh permutation.
+    With a DataParallel placement (specjax.train.mesh) the rows are replicated on every device and
+    each batch is split over them; None: the default device."""
 
-    def __init__(self, packed: Packed, batch_size: int, seed: int = 0, device_bytes: int = 16 << 30):
+    def __init__(self, packed: Packed, batch_size: int, seed: int = 0, device_bytes: int = 16 << 30, dp=None):
         self.packed, self.batch_size, self.seed = packed, batch_size, seed
         self.num_rows = packed.num_rows
         self._perms: dict[int, np.ndarray] = {}
         self.on_device = packed.nbytes <= device_bytes
-        self._dev = jax.device_put(packed.arrays()) if self.on_device else None
+        self._batch = None if dp is None else dp.batch
+        self._dev = jax.device_put(packed.arrays(), None if dp is None else dp.replicated) if self.on_device else None
 
     def _perm(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
@@ -166,8 +172,8 @@ class Batches:
     def get(self, step: int) -> dict:
         idx = self.indices(step)
         if self.on_device:
-            return _take(self._dev, jnp.asarray(idx))
-        return jax.device_put({k: v[idx] for k, v in self.packed.arrays().items()})
+            return take_fn(self._batch)(self._dev, jnp.asarray(idx))
+        return jax.device_put({k: v[idx] for k, v in self.packed.arrays().items()}, self._batch)
 
     @property
     def steps_per_epoch(self) -> float:

@@ -4,6 +4,8 @@ WORK_DIR holds: vocab.npz (d2t, t2d), ckpt/ (orbax: params + optimizer state, ev
 steps and at the end), train_log.jsonl (one line per log_every steps), curves.png, summary.json.
 `resume=True` continues from the latest checkpoint (same data order: batches depend on the step
 only); without it a work directory that already holds checkpoints is refused.
+Data parallel over the first `devices` local devices (specjax.train.mesh): each step takes
+devices x batch_size rows; params and optimizer state are replicated.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 from specjax.train import dataset, forward
 from specjax.train.data import load_shards
 from specjax.train.loss import LossConfig, tau_estimate, ttt_loss
+from specjax.train.mesh import DataParallel
 
 
 @dataclasses.dataclass
@@ -31,7 +34,8 @@ class TrainConfig:
     export_dir: str | None = None
     model_dir: str | None = None  # None: the manifest's model
     steps: int = 1000
-    batch_size: int = 8
+    batch_size: int = 8  # rows per device; a step takes devices x batch_size rows
+    devices: int | None = None  # data parallel over the first N local devices (None: all)
     seq_len: int = 2048
     lr: float = 5e-4
     warmup: int = 50
@@ -92,10 +96,12 @@ def with_features(batch, target, t2d, tdims, aux_layers: tuple[int, ...], dtype)
 
 
 @functools.lru_cache(maxsize=8)
-def train_step_fn(dims: forward.HeadDims, lcfg: LossConfig, ocfg: OptConfig, tdims=None, aux_layers=()):
+def train_step_fn(dims: forward.HeadDims, lcfg: LossConfig, ocfg: OptConfig, tdims=None, aux_layers=(),
+                  out_sharding=None):
     """Jitted (params, opt_state, embed, target, t2d, batch) -> (params, opt_state, metrics);
     cached per config so that repeated runs in one process reuse the compiled program. `target`
-    (flat target params) and t2d are used only by batches without stored features."""
+    (flat target params) and t2d are used only by batches without stored features. out_sharding:
+    where the outputs live (DataParallel.replicated), the batch may be split over devices."""
     import optax
     opt = ocfg.optimizer()
 
@@ -105,7 +111,7 @@ def train_step_fn(dims: forward.HeadDims, lcfg: LossConfig, ocfg: OptConfig, tdi
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {**m, "total": loss, "gnorm": optax.tree.norm(grads)}
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_sharding)
 
 
 @functools.lru_cache(maxsize=8)
@@ -147,9 +153,10 @@ class _Ckpt:
         self.mngr.wait_until_finished()
 
     def restore(self, step: int, params, opt_state):
+        """-> (params, opt_state) of checkpoint `step`, placed as the given ones are."""
         leaves, treedef = jax.tree.flatten(opt_state)
         like = {"params": params, "opt": {f"{i:04d}": x for i, x in enumerate(leaves)}}
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
         got = self.mngr.restore(step, args=self.ocp.args.StandardRestore(abstract))
         return got["params"], jax.tree.unflatten(treedef, [got["opt"][f"{i:04d}"] for i in range(len(leaves))])
 
@@ -212,14 +219,16 @@ def train(cfg: TrainConfig) -> dict:
     cdt = _compute_dtype(cfg.compute_dtype)
     lcfg = LossConfig(cfg.ttt_steps, cfg.decay, cdt)
     ocfg = OptConfig(cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio, cfg.weight_decay, cfg.clip)
+    dp = DataParallel.over(cfg.devices)
+    global_batch = dp.num_devices * cfg.batch_size
     packed, held = dataset.pack(shards, t2d, cfg.seq_len, cfg.seed).split(cfg.heldout)
-    batches = dataset.Batches(packed, cfg.batch_size, cfg.seed)
+    batches = dataset.Batches(packed, global_batch, cfg.seed, dp=dp)
     n_tok = int(sum(s["num_tokens"] for s in man["shards"]))
     _log(f"data: {man.get('num_seqs', '?')} seqs, {n_tok} tokens -> {packed.num_rows} rows x {cfg.seq_len} "
          f"({packed.nbytes / 2**30:.2f} GiB, {'on device' if batches.on_device else 'host'}); "
-         f"{batches.steps_per_epoch:.1f} steps/epoch; draft vocab {len(d2t)} covers {covered:.1%} of labels; "
-         f"compute {cdt}; setup {time.perf_counter() - t0:.1f}s")
-    embed = jnp.asarray(tflat["embed"], cdt)
+         f"{batches.steps_per_epoch:.1f} steps/epoch of {dp.num_devices} device(s) x {cfg.batch_size} rows; "
+         f"draft vocab {len(d2t)} covers {covered:.1%} of labels; compute {cdt}; setup {time.perf_counter() - t0:.1f}s")
+    embed = jax.device_put(jnp.asarray(tflat["embed"], cdt), dp.replicated)
     params = forward.init_params(ecfg, cfg.seed)
     if cfg.init_from_target:
         params.update(forward.target_init(tflat, d2t))
@@ -233,24 +242,25 @@ def train(cfg: TrainConfig) -> dict:
     if packed.aux is None:  # token ids only: the step computes the target's features
         from specjax.train.target import TargetDims
         tdims = TargetDims.of(tcfg)
-        target = jax.device_put({k: jnp.asarray(v, cdt) for k, v in tflat.items()}, jax.devices()[0])
+        target = jax.device_put({k: jnp.asarray(v, cdt) for k, v in tflat.items()}, dp.replicated)
         _log(f"features computed on the fly by the target (aux layers {aux_layers})")
-    t2d_dev = jax.device_put(jnp.asarray(t2d), jax.devices()[0])
+    t2d_dev = jax.device_put(jnp.asarray(t2d), dp.replicated)
     del tflat
     params = {k: v.astype(cfg.param_dtype) for k, v in params.items()}
     opt_state = ocfg.optimizer().init(params)
+    # committed to dp.replicated either way (fresh or restored): a restored, committed array would
+    # otherwise miss the compiled step of an uncommitted one
+    params, opt_state = jax.device_put((params, opt_state), dp.replicated)
     step = 0
     log_path = work / "train_log.jsonl"
     if start is not None:
         params, opt_state = ckpt.restore(start, params, opt_state)
         step = start
         _log(f"resumed from step {start}")
-    # committed to one device either way (fresh or restored): a restored, committed array would
-    # otherwise miss the compiled step of an uncommitted one
-    params, opt_state = jax.device_put((params, opt_state), jax.devices()[0])
     _trim_log(log_path, step)
-    fn = train_step_fn(dims, lcfg, ocfg, tdims, aux_layers)
-    evaluate = _heldout_eval(eval_step_fn(dims, lcfg, tdims, aux_layers), held, cfg, embed, target, t2d_dev)
+    fn = train_step_fn(dims, lcfg, ocfg, tdims, aux_layers, dp.replicated)
+    evaluate = _heldout_eval(eval_step_fn(dims, lcfg, tdims, aux_layers), held, global_batch, dp, embed, target,
+                             t2d_dev)
     sched = ocfg.schedule()
     bar = _bar(cfg, step)
     pending: list[dict] = []
@@ -294,12 +304,13 @@ def train(cfg: TrainConfig) -> dict:
     plot_curves(log_path, work / "curves.png")
     summary = {"step": step, "target_steps": cfg.steps, "stopped_early": stopped_early,
                "train_seconds": round(train_s, 1), "resumed_from": start,
-               "tokens_per_step": cfg.batch_size * cfg.seq_len, "final": _final(log_path),
+               "tokens_per_step": global_batch * cfg.seq_len, "final": _final(log_path),
                "draft_vocab_size": len(d2t), "draft_vocab_coverage": covered,
                "data": {k: man.get(k) for k in ("prompt_files", "num_prompts", "num_seqs", "num_tokens",
                                                 "temperatures", "max_tokens", "aux_layers", "dtype",
                                                 "command", "complete")},
-               "config": {**dataclasses.asdict(cfg), "compute_dtype": cdt}, "model_dir": str(model_dir)}
+               "config": {**dataclasses.asdict(cfg), "compute_dtype": cdt, "devices": dp.num_devices},
+               "model_dir": str(model_dir)}
     (work / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _log(f"{step} steps in {train_s:.1f}s ({(step - (start or 0)) / max(train_s, 1e-9):.2f} steps/s); "
          f"final {summary['final']}")
@@ -316,17 +327,18 @@ def _trim_log(path: Path, step: int) -> None:
     path.write_text("".join(ln + "\n" for ln in keep))
 
 
-def _heldout_eval(fn, held, cfg: TrainConfig, embed, target, t2d):
+def _heldout_eval(fn, held, batch_size: int, dp: DataParallel, embed, target, t2d):
     """params -> held-out metrics {"loss": [K], "acc": [K] (acc@1..K: top-1 accuracy of draft step
-    j), "tau_est", "tokens"} over all held-out rows (batches of batch_size; the last one wraps)."""
+    j), "tau_est", "tokens"} over all held-out rows (global batches; the last one wraps)."""
     if held is None:
         return None
     n = held.num_rows
-    groups = [np.arange(i, i + cfg.batch_size) % n for i in range(0, n, cfg.batch_size)]
-    dev = jax.device_put(held.arrays(), jax.devices()[0])
+    groups = [np.arange(i, i + batch_size) % n for i in range(0, n, batch_size)]
+    dev = jax.device_put(held.arrays(), dp.replicated)
+    take = dataset.take_fn(dp.batch)
 
     def evaluate(params) -> dict:
-        ms = jax.device_get([fn(params, embed, target, t2d, dataset._take(dev, jnp.asarray(g))) for g in groups])
+        ms = jax.device_get([fn(params, embed, target, t2d, take(dev, jnp.asarray(g))) for g in groups])
         cnt = np.sum([np.asarray(m["count"], np.float64) for m in ms], axis=0)
         acc = np.sum([np.asarray(m["acc"]) * np.asarray(m["count"]) for m in ms], axis=0) / np.maximum(cnt, 1)
         loss = np.sum([np.asarray(m["loss"]) * np.asarray(m["count"]) for m in ms], axis=0) / np.maximum(cnt, 1)
@@ -374,6 +386,11 @@ def export(params, d2t, hf: dict, out_dir: str | Path, dtype: str, summary: dict
     return out
 
 
+def _batch_text(c: dict) -> str:
+    n = c.get("devices") or 1
+    return f"{c['batch_size']}" if n == 1 else f"{n * c['batch_size']} ({n} devices x {c['batch_size']})"
+
+
 def training_md(s: dict, dtype: str) -> str:
     c, d, f = s["config"], s["data"], s.get("final") or {}
     steps_line = " | ".join(f"{i}" for i in range(len(f.get("acc_per_step", []))))
@@ -394,7 +411,7 @@ def training_md(s: dict, dtype: str) -> str:
         f"(covering {s['draft_vocab_coverage']:.1%} of the training labels)", "",
         "## Training", "",
         f"- {s['step']} steps (of {s['target_steps']}{', stopped by the time budget' if s['stopped_early'] else ''}), "
-        f"batch {c['batch_size']} x {c['seq_len']} packed tokens, AdamW lr {c['lr']} (warmup {c['warmup']}, "
+        f"batch {_batch_text(c)} x {c['seq_len']} packed tokens, AdamW lr {c['lr']} (warmup {c['warmup']}, "
         f"cosine to {c['min_lr_ratio']} x), clip {c['clip']}, compute {c['compute_dtype']}; lm_head / final norm "
         f"{'initialised from the target' if c.get('init_from_target') else 'random'}",
         f"- {s['train_seconds']} s of training", "",
