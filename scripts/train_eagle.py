@@ -9,6 +9,8 @@
     # both: `all` takes the options of the two (--skip-data reuses existing shards)
     # 0. prompts beyond GSM8K: written by the target itself + tasks over installed Python text
     python scripts/train_eagle.py prompts --out runs/e3/prompts.jsonl [--self-instruct N] [--passages N]
+    # prompts and data on N GPUs: --workers N (process i on GPU i, each a share of the work, then
+    # joined); train uses all local devices data-parallel (--devices N: the first N)
 
 Evaluation prompt sets (data/prompts/, *test* files) are refused as training data.
 """
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import random
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,6 +53,12 @@ def add_data_args(p):
     p.add_argument("--data-time-budget", type=float, default=None, help="seconds; stop after the current chunk")
     p.add_argument("--no-features", action="store_true",
                    help="store token ids only; training computes the target's features on the fly")
+
+
+def add_worker_args(p, what: str):
+    p.add_argument("--workers", type=int, default=1,
+                   help=f"{what} in N processes, process i on GPU i (CUDA_VISIBLE_DEVICES), then joined")
+    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # set for each of them
 
 
 def add_prompt_args(p):
@@ -100,6 +110,29 @@ def add_train_args(p, data_required=True):
     p.add_argument("--no-progress", action="store_true")
 
 
+def run_workers(argv: list[str], n: int) -> None:
+    """Run this command as n processes, process i with --worker i on the i-th visible GPU
+    (CUDA_VISIBLE_DEVICES); the first one that fails stops the others."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = [g for g in visible.split(",") if g.strip()] if visible is not None else [str(i) for i in range(n)]
+    if len(gpus) < n:
+        raise SystemExit(f"--workers {n}: CUDA_VISIBLE_DEVICES={visible} lists {len(gpus)} GPU(s)")
+    script = str(Path(__file__).resolve())
+    procs = [subprocess.Popen([sys.executable, script, *argv, "--worker", str(i)],
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus[i]}) for i in range(n)]
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode for p in procs):
+            break
+        time.sleep(1)
+    bad = [i for i, p in enumerate(procs) if p.returncode]
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+        p.wait()
+    if bad:
+        raise SystemExit(f"worker {bad[0]} of {n} failed (exit {procs[bad[0]].returncode})")
+
+
 def run_data(a, command: str) -> dict:
     from specjax.train.data import DataConfig, build_data
     cfg = DataConfig(prompt_files=a.prompts, out_dir=a.out, model_dir=a.model, dtype=a.dtype,
@@ -107,26 +140,41 @@ def run_data(a, command: str) -> dict:
                      max_seq_len=a.max_seq_len, max_batch=a.max_batch, chunk_prompts=a.chunk_prompts,
                      tokens_per_batch=a.tokens_per_batch, aux_layers=a.aux_layers, chat=not a.raw,
                      seed=a.data_seed, time_budget=a.data_time_budget, features=not a.no_features,
-                     progress=not getattr(a, "no_progress", False), command=command)
+                     progress=not getattr(a, "no_progress", False) and getattr(a, "worker", None) is None,
+                     command=command, worker=getattr(a, "worker", None) or 0, workers=getattr(a, "workers", 1))
     return build_data(cfg)
 
 
 def run_prompts(a) -> None:
+    """Worker i of N (--worker): its share of each kind, into OUT.part-i; the run of N workers
+    (--workers N) joins their parts into OUT."""
     from specjax.train import prompts
     t0 = time.perf_counter()
-    rows = prompts.passage_prompts(a.passages, seed=a.seed) if a.passages else []
-    print(f"[prompts] {len(rows)} passage prompts in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    if a.schemas:
-        from specjax.train.schemas import schema_prompts
-        rows += schema_prompts(a.schemas, seed=a.seed)
-    if a.self_instruct:
-        from specjax import LLM
-        llm = LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=256)
-        rows += prompts.self_instruct(llm, a.self_instruct, seed=a.seed)
+    i, n = (a.worker or 0), a.workers
+    out = a.out if a.worker is None else f"{a.out}.part-{i}"
+    if a.worker is None and n > 1:
+        parts = [f"{a.out}.part-{j}" for j in range(n)]
+        rows = [r for f in parts for r in prompts.read_jsonl(f)]
+    else:
+        n_pass, _ = prompts.worker_share(a.passages, a.seed, i, n)
+        rows = prompts.passage_prompts(n_pass, seed=a.seed, part=(i, n)) if n_pass else []
+        print(f"[prompts] {len(rows)} passage prompts in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        n_schemas, seed = prompts.worker_share(a.schemas, a.seed, i, n)
+        if n_schemas:
+            from specjax.train.schemas import schema_prompts
+            rows += schema_prompts(n_schemas, seed=seed)
+        n_self, seed = prompts.worker_share(a.self_instruct, a.seed, i, n)
+        if n_self:
+            from specjax import LLM
+            llm = LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=256)
+            rows += prompts.self_instruct(llm, n_self, seed=seed)
     random.Random(a.seed).shuffle(rows)
-    prompts.write_jsonl(rows, a.out)
+    prompts.write_jsonl(rows, out)
+    if a.worker is None and n > 1:
+        for f in parts:
+            Path(f).unlink()
     kinds = collections.Counter(r["source"].split(":")[0] for r in rows)
-    print(f"[prompts] wrote {len(rows)} prompts to {a.out} ({dict(kinds)}) in {time.perf_counter() - t0:.1f}s",
+    print(f"[prompts] wrote {len(rows)} prompts to {out} ({dict(kinds)}) in {time.perf_counter() - t0:.1f}s",
           file=sys.stderr)
 
 
@@ -149,8 +197,12 @@ def main(argv=None) -> int:
     command = "python scripts/train_eagle.py " + " ".join(shlex.quote(x) for x in argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    add_prompt_args(sub.add_parser("prompts", help="build training prompts (self-instruct + passages)"))
-    add_data_args(sub.add_parser("data", help="generate responses and record target features"))
+    pp = sub.add_parser("prompts", help="build training prompts (self-instruct + passages)")
+    add_prompt_args(pp)
+    add_worker_args(pp, "write the prompts")
+    dp = sub.add_parser("data", help="generate responses and record target features")
+    add_data_args(dp)
+    add_worker_args(dp, "generate the chunks")
     add_train_args(sub.add_parser("train", help="train (or resume) and export"))
     both = sub.add_parser("all", help="data, then train")
     add_data_args(both)
@@ -158,6 +210,11 @@ def main(argv=None) -> int:
     both.add_argument("--skip-data", action="store_true", help="reuse the shards in --out as they are")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
+    if a.cmd in ("prompts", "data") and a.worker is None and a.workers > 1:
+        if a.cmd == "data":
+            from specjax.train.data import merge_manifests
+            merge_manifests(a.out)  # the parts of an interrupted parallel run first
+        run_workers(argv, a.workers)
     if a.cmd == "prompts":
         run_prompts(a)
         return 0
@@ -165,6 +222,11 @@ def main(argv=None) -> int:
         from specjax.train.data import load_manifest
         if a.cmd == "all" and a.skip_data and load_manifest(a.out):
             print(f"[data] skipped: reusing {a.out}", file=sys.stderr)
+        elif a.cmd == "data" and a.worker is None and a.workers > 1:
+            from specjax.train.data import merge_manifests
+            man = merge_manifests(a.out, command)
+            print(f"[data] joined {a.workers} workers: {man['num_seqs']} sequences, {man['num_tokens']} tokens in "
+                  f"{len(man['shards'])} shards ({'complete' if man['complete'] else 'partial'})", file=sys.stderr)
         else:
             run_data(a, command)
         print(f"[data] stage done at {time.perf_counter() - t0:.1f}s", file=sys.stderr)

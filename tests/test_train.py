@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -200,6 +201,52 @@ def test_data_shards(pipeline):
     # greedy rows (temperature 0, even prompt indices): the response is the target's argmax chain
     p = int(sh.prompt_lens[0])
     assert (sh.ids[p:n] == sh.next_ids[p - 1: n - 1]).all()
+
+
+def test_data_workers_share_one_directory(pipeline, tmp_path):
+    """Two workers (chunks k % 2) write into one directory, each its own manifest; the join is one
+    manifest.json (partial when a worker stopped on its time budget); a rerun with one worker makes
+    only the missing chunk. The shards equal those of one process."""
+    root, _, man, _, _, dcfg = pipeline
+    d = tmp_path / "d"
+    part = dataclasses.replace(dcfg, out_dir=str(d), workers=2)
+    w0 = data_lib.build_data(dataclasses.replace(part, worker=0))
+    w1 = data_lib.build_data(dataclasses.replace(part, worker=1, time_budget=0.0))
+    assert [s["chunk"] for s in w0["shards"]] == [0] and w0["complete"]
+    assert w1["shards"] == [] and not w1["complete"]
+    assert sorted(p.name for p in d.glob("manifest*")) == ["manifest.0-of-2.json", "manifest.1-of-2.json"]
+    joined = data_lib.merge_manifests(d, "joined")
+    assert [s["chunk"] for s in joined["shards"]] == [0] and not joined["complete"]
+    assert joined["workers"] == 2 and joined["command"] == "joined"
+    assert sorted(p.name for p in d.glob("manifest*")) == ["manifest.json"]
+    stamp = (d / "shard-00000.npz").stat().st_mtime_ns
+    again = data_lib.build_data(dataclasses.replace(dcfg, out_dir=str(d)))
+    assert again["complete"] and [s["chunk"] for s in again["shards"]] == [0, 1]
+    assert (d / "shard-00000.npz").stat().st_mtime_ns == stamp
+    _, ref = data_lib.load_shards(root / "data")
+    _, got = data_lib.load_shards(d)
+    for a, b in zip(ref, got):
+        assert (a.ids == b.ids).all() and (a.offsets == b.offsets).all() and (a.prompt_lens == b.prompt_lens).all()
+    with pytest.raises(data_lib.DataError, match="other settings"):
+        data_lib.build_data(dataclasses.replace(part, worker=1, temperatures=(0.5,)))
+
+
+def test_prompt_workers_cli(tmp_path):
+    """`train_eagle.py prompts --workers 2`: two processes over disjoint files, joined into one file
+    (their parts removed)."""
+    import subprocess
+    import sys
+    out = tmp_path / "p.jsonl"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "train_eagle.py"
+    r = subprocess.run([sys.executable, str(script), "prompts", "--out", str(out), "--self-instruct", "0",
+                        "--passages", "7", "--schemas", "3", "--workers", "2"], capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 10 and len({r["prompt"] for r in rows}) == 10
+    assert sum(r["source"] == "schema" for r in rows) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"]
+    assert r.stderr.count("[prompts] 3 passage prompts") + r.stderr.count("[prompts] 4 passage prompts") == 2
 
 
 def test_training_lowers_loss_and_exports(pipeline):

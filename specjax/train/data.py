@@ -10,6 +10,10 @@
 
 Shards are written one chunk of prompts at a time and recorded in the manifest, so an interrupted
 run resumes at the next chunk; a time budget stops after the chunk that exceeds it.
+N processes (one per GPU) share one directory: worker i makes the chunks k with k % N == i
+(shard files are named by chunk, so they never collide) and records them in its own
+manifest.<i>-of-<N>.json; merge_manifests joins those into manifest.json. Each worker skips the
+chunks that any manifest of the directory already lists, so a run resumes with any N.
 Evaluation prompt sets are refused (see check_not_eval) and any training prompt that also occurs
 in the shipped evaluation prompts (specjax/assets/prompts/*.jsonl, also data/prompts/) is dropped.
 """
@@ -112,10 +116,16 @@ class DataConfig:
     time_budget: float | None = None  # seconds; stop after the chunk that exceeds it
     progress: bool = True
     command: str = ""
+    worker: int = 0  # this process makes the chunks k with k % workers == worker
+    workers: int = 1  # > 1: recorded in manifest.<worker>-of-<workers>.json (see merge_manifests)
 
 
-def load_manifest(data_dir: str | Path) -> dict | None:
-    p = Path(data_dir) / MANIFEST
+def part_manifest(worker: int, workers: int) -> str:
+    return MANIFEST if workers == 1 else f"manifest.{worker}-of-{workers}.json"
+
+
+def load_manifest(data_dir: str | Path, name: str = MANIFEST) -> dict | None:
+    p = Path(data_dir) / name
     if not p.is_file():
         return None
     try:
@@ -124,10 +134,39 @@ def load_manifest(data_dir: str | Path) -> dict | None:
         raise DataError(f"{p} is not valid JSON: {e}") from None
 
 
-def _write_manifest(data_dir: Path, man: dict) -> None:
-    tmp = data_dir / (MANIFEST + ".tmp")
+def _write_manifest(data_dir: Path, man: dict, name: str = MANIFEST) -> None:
+    tmp = data_dir / (name + ".tmp")
     tmp.write_text(json.dumps(man, indent=2) + "\n")
-    tmp.replace(data_dir / MANIFEST)
+    tmp.replace(data_dir / name)
+
+
+def _part_names(data_dir: Path) -> list[str]:
+    return sorted(p.name for p in data_dir.glob("manifest.*-of-*.json"))
+
+
+def merge_manifests(data_dir: str | Path, command: str = "") -> dict | None:
+    """Join the manifests of parallel workers (manifest.<i>-of-<N>.json) into manifest.json, then
+    remove them: the union of their shards by chunk, complete when every chunk is in it, the
+    seconds of the slowest worker added. Returns manifest.json's content (None: no manifest)."""
+    out = Path(data_dir)
+    man, names = load_manifest(out), _part_names(out)
+    if not names:
+        return man
+    parts = [load_manifest(out, n) for n in names]
+    merged = dict(man or parts[0])
+    by_chunk = {s["chunk"]: s for m in ([man] if man else []) + parts for s in m["shards"]}
+    merged["shards"] = sorted(by_chunk.values(), key=lambda s: s["chunk"])
+    merged["num_prompts"] = parts[0]["num_prompts"]
+    merged["complete"] = len(by_chunk) == -(-merged["num_prompts"] // merged["chunk_prompts"])
+    merged["num_seqs"] = sum(s["num_seqs"] for s in merged["shards"])
+    merged["num_tokens"] = sum(s["num_tokens"] for s in merged["shards"])
+    merged["seconds"] = round((man or {}).get("seconds", 0.0) + max(m.get("seconds", 0.0) for m in parts), 1)
+    merged["workers"] = max(int(n.split("-of-")[1].split(".")[0]) for n in names)
+    merged["command"] = command or parts[0].get("command", "")
+    _write_manifest(out, merged)
+    for n in names:
+        (out / n).unlink()
+    return merged
 
 
 def select_prompts(cfg: DataConfig) -> list[tuple[str, dict | None]]:
@@ -146,19 +185,25 @@ def select_prompts(cfg: DataConfig) -> list[tuple[str, dict | None]]:
     return prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
 
 
-def _log(msg: str) -> None:
-    print(f"[data] {msg}", file=sys.stderr, flush=True)
+def _log(msg: str, cfg: DataConfig | None = None) -> None:
+    who = f" {cfg.worker}/{cfg.workers}" if cfg is not None and cfg.workers > 1 else ""
+    print(f"[data{who}] {msg}", file=sys.stderr, flush=True)
 
 
 def build_data(cfg: DataConfig) -> dict:
-    """Generate responses and features for cfg's prompts into cfg.out_dir; returns the manifest.
-    Chunks already in the manifest are skipped (resume)."""
+    """Generate responses and features for cfg's prompts (worker cfg.worker's chunks of them) into
+    cfg.out_dir; returns this process's manifest. Chunks already in a manifest are skipped (resume)."""
     from specjax.checkpoint import load_config
     from specjax.train.forward import default_aux_layers
 
     t0 = time.perf_counter()
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if not 0 <= cfg.worker < cfg.workers:
+        raise DataError(f"worker {cfg.worker} of {cfg.workers}: out of range")
+    if cfg.workers == 1:
+        merge_manifests(out)  # the parts of an interrupted parallel run first
+    man_name = part_manifest(cfg.worker, cfg.workers)
     prompts = select_prompts(cfg)
     if not prompts:
         raise DataError(f"no prompts in {cfg.prompt_files}")
@@ -169,39 +214,45 @@ def build_data(cfg: DataConfig) -> dict:
         model_dir = Path(cfg.model_dir)
     mcfg = load_config(model_dir)
     aux = tuple(cfg.aux_layers) if cfg.aux_layers else default_aux_layers(mcfg.num_layers)
-    man = load_manifest(out)
+    found = {n: load_manifest(out, n) for n in [MANIFEST, *_part_names(out)]}
+    found = {n: m for n, m in found.items() if m is not None}
     settings = {"model_dir": str(model_dir), "dtype": cfg.dtype, "aux_layers": list(aux),
                 "temperatures": list(cfg.temperatures), "max_tokens": cfg.max_tokens, "seed": cfg.seed,
                 "chunk_prompts": cfg.chunk_prompts, "chat": cfg.chat, "features": cfg.features,
                 "prompt_files": [str(f) for f in cfg.prompt_files]}
-    if man is not None and any(man.get(k) != v for k, v in settings.items() if k != "model_dir"):
-        raise DataError(f"{out / MANIFEST} was made with other settings; use another --out directory")
+    for n, m in found.items():
+        if any(m.get(k) != v for k, v in settings.items() if k != "model_dir"):
+            raise DataError(f"{out / n} was made with other settings; use another --out directory")
+    man = found.get(man_name)
     if man is None:
         man = {"format_version": FORMAT_VERSION, **settings, "hidden_size": mcfg.hidden_size,
                "vocab_size": mcfg.vocab_size, "feature_dtype": "bfloat16", "shards": [], "complete": False}
     man["num_prompts"] = len(prompts)
     man["command"] = cfg.command or man.get("command", "")
-    done = {s["chunk"] for s in man["shards"]}
+    done = {s["chunk"] for m in found.values() for s in m["shards"]}
     chunks = range(0, len(prompts), cfg.chunk_prompts)
+    mine = {k for k in range(len(chunks)) if k % cfg.workers == cfg.worker}
     llm = extractor = None
-    if len(done & set(range(len(chunks)))) < len(chunks):  # work left: load the target twice
+    if mine - done:  # work left: load the target twice
         from specjax import LLM  # (the engine's copy, and one for the feature prefill)
         from specjax.checkpoint import load_model
         llm = LLM(model_dir, dtype=cfg.dtype, max_batch=cfg.max_batch, max_seq_len=cfg.max_seq_len)
         if cfg.features:
             _, module = load_model(model_dir, cfg.dtype)
             extractor = FeatureExtractor(module, mcfg, aux, cfg.tokens_per_batch)
-    _log(f"{len(prompts)} prompts in {len(chunks)} chunks ({len(done)} done), model {model_dir} ({cfg.dtype}), "
-         f"aux layers {aux}, setup {time.perf_counter() - t0:.1f}s")
-    bar = _progress(len(chunks), cfg.progress)
+    _log(f"{len(prompts)} prompts in {len(chunks)} chunks ({len(done)} done, {len(mine - done)} left to this "
+         f"process), model {model_dir} ({cfg.dtype}), aux layers {aux}, setup {time.perf_counter() - t0:.1f}s", cfg)
+    bar = _progress(len(mine), cfg.progress)
     stopped = False
     for k, start in enumerate(chunks):
+        if k not in mine:
+            continue
         if k in done:
             bar.update(1)
             continue
         if cfg.time_budget is not None and time.perf_counter() - t0 > cfg.time_budget:
             stopped = True
-            _log(f"time budget {cfg.time_budget:.0f}s reached: stopping before chunk {k}")
+            _log(f"time budget {cfg.time_budget:.0f}s reached: stopping before chunk {k}", cfg)
             break
         shard, info = _make_chunk(cfg, llm, extractor, prompts[start: start + cfg.chunk_prompts], start)
         name = f"shard-{k:05d}.npz"
@@ -209,20 +260,20 @@ def build_data(cfg: DataConfig) -> dict:
         man["shards"].append({"chunk": k, "file": name, "num_seqs": shard.num_seqs,
                               "num_tokens": int(shard.offsets[-1]), **info})
         man["shards"].sort(key=lambda s: s["chunk"])
-        _write_manifest(out, man)
+        _write_manifest(out, man, man_name)
         bar.update(1)
         bar.set_postfix(seqs=sum(s["num_seqs"] for s in man["shards"]), gen_s=f"{info['gen_s']:.1f}",
                         feat_s=f"{info['feat_s']:.1f}")
         _log(f"chunk {k}: {shard.num_seqs} seqs, {int(shard.offsets[-1])} tokens, generate {info['gen_s']:.1f}s "
-             f"({info['gen_tokens'] / max(info['gen_s'], 1e-9):.0f} tok/s), features {info['feat_s']:.1f}s")
+             f"({info['gen_tokens'] / max(info['gen_s'], 1e-9):.0f} tok/s), features {info['feat_s']:.1f}s", cfg)
     bar.close()
-    man["complete"] = not stopped and len(man["shards"]) == len(chunks)
+    man["complete"] = not stopped and mine <= done | {s["chunk"] for s in man["shards"]}  # this process's share
     man["num_seqs"] = sum(s["num_seqs"] for s in man["shards"])
     man["num_tokens"] = sum(s["num_tokens"] for s in man["shards"])
     man["seconds"] = round(man.get("seconds", 0.0) + time.perf_counter() - t0, 1)
-    _write_manifest(out, man)
+    _write_manifest(out, man, man_name)
     _log(f"{man['num_seqs']} sequences, {man['num_tokens']} tokens in {len(man['shards'])} shards "
-         f"({'complete' if man['complete'] else 'partial'}); {time.perf_counter() - t0:.1f}s")
+         f"({'complete' if man['complete'] else 'partial'}); {time.perf_counter() - t0:.1f}s", cfg)
     return man
 
 
@@ -245,7 +296,8 @@ def _make_chunk(cfg: DataConfig, llm, extractor, items: list[tuple[str, dict | N
     kept = [(p, o) for p, o in zip(ids, outs) if o.finish_reason != "error"]  # a schema it cannot serve
     failed = len(outs) - len(kept)
     if failed:
-        _log(f"{failed} prompt(s) failed and were left out: {next(o.error for o in outs if o.finish_reason == 'error')}")
+        _log(f"{failed} prompt(s) failed and were left out: {next(o.error for o in outs if o.finish_reason == 'error')}",
+             cfg)
     ids, outs = [p for p, _ in kept], [o for _, o in kept]
     seqs = [p + o.token_ids for p, o in zip(ids, outs)]
     gen_s = time.perf_counter() - t0

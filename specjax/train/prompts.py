@@ -132,13 +132,22 @@ def passages_of(path: Path, max_chars: int = 1200):
         yield node.name, _clean(doc)[:max_chars], code, nodoc
 
 
-def passage_prompts(n: int, seed: int = 0, max_files: int = 40000, per_file: int = 6) -> list[dict]:
+def worker_share(n: int, seed: int, worker: int, workers: int) -> tuple[int, int]:
+    """(how many, seed) of one of `workers` processes making n prompts together: seed * workers +
+    worker, disjoint between the workers of one seed (one worker: n and seed themselves)."""
+    return n // workers + (worker < n % workers), seed * workers + worker
+
+
+def passage_prompts(n: int, seed: int = 0, max_files: int = 40000, per_file: int = 6,
+                    part: tuple[int, int] = (0, 1)) -> list[dict]:
     """n task prompts over docstrings and code of the installed Python (at most per_file passages
-    of one file, for breadth), tasks drawn in turn."""
-    rng = random.Random(seed)
+    of one file, for breadth), tasks drawn in turn. part (i, N): only every N-th file from the i-th
+    (N processes over disjoint files; task choices seeded by worker_share's seed)."""
+    i, workers = part
+    rng = random.Random(seed * workers + i)
     tasks = list(PASSAGE_TASKS)
     out, seen = [], set()
-    for f in source_files(max_files, seed):
+    for f in source_files(max_files, seed)[i::workers]:
         for k, (name, doc, code, nodoc) in enumerate(passages_of(f)):
             if k >= per_file:
                 break
@@ -209,3 +218,8 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     return path
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
