@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Rebuild the EAGLE-3 head shipped for the default model (SmolLM2-135M-Instruct) end to end on ONE
-# GPU, offline, from nothing but the target and the GSM8K training prompts. Run from the repository
-# root (each stage prints its timing; data and training resume when run again):
+# Rebuild the EAGLE-3 head shipped for the default model (SmolLM2-135M-Instruct) end to end on GPUS
+# GPUs of one machine (default: all visible), offline, from nothing but the target and the GSM8K
+# training prompts. Run from the repository root (each stage prints its timing; data and training
+# resume when run again):
 #
 #   bash scripts/train_default_head.sh
+#
+# On N GPUs, stages 0 and 1 run N processes (process i on GPU i, a share of the prompts / of the
+# chunks each, joined afterwards) and stage 2 is data parallel over the N GPUs (BATCH rows per GPU,
+# so a step takes N x BATCH rows). GPUS=1 is the one-GPU pipeline.
 #
 #   0. prompts  user messages written by the target itself (its chat template up to the user turn
 #               + an opener, T=1, top-p 0.95; SELF_INSTRUCT of them) and task prompts over the
@@ -13,8 +18,8 @@
 #               prompts with random JSON schemas, answered under their schema in stage 1
 #               (specjax.train.schemas)
 #   1. data     the target's responses (specjax's engine, MAX_BATCH rows, temperatures 0/0.7/0/1.0
-#               in turn, up to MAX_TOKENS) to GSM8K train + those prompts, as token ids only; stops
-#               starting new chunks after DATA_BUDGET seconds
+#               in turn, up to MAX_TOKENS) to GSM8K train + those prompts, as token ids only; each
+#               process stops starting new chunks after DATA_BUDGET seconds
 #   2. train    EAGLE-3 training-time test over TTT steps, the target's features computed inside the
 #               training step, 1 % of the packed rows held out (acc@1..TTT in the log, curves.png);
 #               STEPS steps or TRAIN_BUDGET seconds; exports the head to $OUT with TRAINING.md
@@ -36,9 +41,10 @@ SCHEMAS=${SCHEMAS:-4000}  # prompts with random JSON schemas, answered under the
 DATA_BUDGET=${DATA_BUDGET:-540}
 MAX_BATCH=${MAX_BATCH:-512}
 MAX_TOKENS=${MAX_TOKENS:-512}
+CHUNK=${CHUNK:-8192}  # prompts per data chunk (a process starts no new chunk after DATA_BUDGET seconds)
 STEPS=${STEPS:-4000}
 TRAIN_BUDGET=${TRAIN_BUDGET:-540}
-BATCH=${BATCH:-16}
+BATCH=${BATCH:-16}  # rows per GPU
 SEQ_LEN=${SEQ_LEN:-1024}
 LR=${LR:-6e-4}
 TTT=${TTT:-7}
@@ -46,6 +52,12 @@ DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
 SEED=${SEED:-0}  # prompts, sampling and data order (a new seed: new prompts and responses)
 INIT_HEAD=${INIT_HEAD:-}  # continue training this exported head (its weights and draft vocabulary)
 WARMUP=${WARMUP:-200}
+if [ -z "${GPUS:-}" ]; then  # all visible GPUs (1 without any)
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then GPUS=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c . || true)
+  elif command -v nvidia-smi > /dev/null; then GPUS=$(nvidia-smi -L | grep -c '^GPU' || true)
+  fi
+  [ "${GPUS:-0}" -ge 1 ] || GPUS=1
+fi
 
 for alt in "shared/data/train/$(basename "$GSM8K")" "../shared/data/train/$(basename "$GSM8K")"; do
   if [ ! -f "$GSM8K" ] && [ -f "$alt" ]; then GSM8K=$alt; fi
@@ -54,16 +66,17 @@ done
 [ -f "$MODEL/specjax.json" ] || { echo "no converted model at $MODEL (specjax download-default)" >&2; exit 1; }
 mkdir -p "$RUN"
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
+echo "== $GPUS GPU(s)"
 
 T0=$SECONDS
 if [ -f "$RUN/prompts.jsonl" ]; then
   echo "== prompts: reusing $RUN/prompts.jsonl ($(wc -l < "$RUN/prompts.jsonl") prompts)"
 else
   echo "== prompts: $PASSAGES over installed Python text (CPU, background) + $SELF_INSTRUCT written by the target"
-  JAX_PLATFORMS=cpu "$PY" scripts/train_eagle.py prompts --out "$RUN/passages.jsonl" --self-instruct 0 --passages "$PASSAGES" --schemas "$SCHEMAS" --seed "$SEED" &
+  JAX_PLATFORMS=cpu "$PY" scripts/train_eagle.py prompts --out "$RUN/passages.jsonl" --self-instruct 0 --passages "$PASSAGES" --schemas "$SCHEMAS" --seed "$SEED" --workers "$GPUS" &
   PASS_PID=$!
   "$PY" scripts/train_eagle.py prompts --out "$RUN/self_instruct.jsonl" --model "$MODEL" \
-    --self-instruct "$SELF_INSTRUCT" --passages 0 --max-batch 1024 --seed "$SEED"
+    --self-instruct "$SELF_INSTRUCT" --passages 0 --max-batch 1024 --seed "$SEED" --workers "$GPUS"
   wait $PASS_PID
   cat "$RUN/self_instruct.jsonl" "$RUN/passages.jsonl" > "$RUN/prompts.jsonl"
 fi
@@ -73,13 +86,13 @@ T1=$SECONDS
 echo "== data: $GSM8K + $RUN/prompts.jsonl -> $RUN/data (token ids; budget ${DATA_BUDGET}s)"
 "$PY" scripts/train_eagle.py data --prompts "$GSM8K" "$RUN/prompts.jsonl" --out "$RUN/data" --model "$MODEL" \
   --no-features --temperatures 0,0.7,0,1.0 --max-tokens "$MAX_TOKENS" --max-seq-len 1024 \
-  --max-batch "$MAX_BATCH" --chunk-prompts 8192 --data-time-budget "$DATA_BUDGET" --data-seed "$SEED"
+  --max-batch "$MAX_BATCH" --chunk-prompts "$CHUNK" --data-time-budget "$DATA_BUDGET" --data-seed "$SEED" --workers "$GPUS"
 echo "== data stage: $((SECONDS - T1)) s"
 
 T2=$SECONDS
-echo "== train: $STEPS steps (budget ${TRAIN_BUDGET}s), batch $BATCH x $SEQ_LEN, TTT $TTT -> $OUT"
+echo "== train: $STEPS steps (budget ${TRAIN_BUDGET}s), batch $GPUS x $BATCH x $SEQ_LEN, TTT $TTT -> $OUT"
 "$PY" scripts/train_eagle.py train --data "$RUN/data" --work "$RUN/work" --export "$OUT" --resume \
-  --steps "$STEPS" --batch-size "$BATCH" --seq-len "$SEQ_LEN" --lr "$LR" --warmup "$WARMUP" --seed "$SEED" \
+  --steps "$STEPS" --batch-size "$BATCH" --devices "$GPUS" --seq-len "$SEQ_LEN" --lr "$LR" --warmup "$WARMUP" --seed "$SEED" \
   ${INIT_HEAD:+--init-head "$INIT_HEAD"} \
   --ttt-steps "$TTT" --draft-vocab "$DRAFT_VOCAB" --ckpt-every 1000 --log-every 50 --eval-every 500 \
   --heldout 0.01 --time-budget "$TRAIN_BUDGET" --export-dtype bfloat16 --no-progress
@@ -89,12 +102,12 @@ echo "== train stage: $((SECONDS - T2)) s; total $((SECONDS - T0)) s"
   echo "## Reproduce"
   echo
   echo '```bash'
-  echo "SEED=$SEED INIT_HEAD=$INIT_HEAD WARMUP=$WARMUP SELF_INSTRUCT=$SELF_INSTRUCT PASSAGES=$PASSAGES DATA_BUDGET=$DATA_BUDGET MAX_BATCH=$MAX_BATCH MAX_TOKENS=$MAX_TOKENS \\"
+  echo "GPUS=$GPUS SEED=$SEED INIT_HEAD=$INIT_HEAD WARMUP=$WARMUP SELF_INSTRUCT=$SELF_INSTRUCT PASSAGES=$PASSAGES SCHEMAS=$SCHEMAS DATA_BUDGET=$DATA_BUDGET CHUNK=$CHUNK MAX_BATCH=$MAX_BATCH MAX_TOKENS=$MAX_TOKENS \\"
   echo "  STEPS=$STEPS TRAIN_BUDGET=$TRAIN_BUDGET BATCH=$BATCH SEQ_LEN=$SEQ_LEN LR=$LR TTT=$TTT DRAFT_VOCAB=$DRAFT_VOCAB \\"
   echo "  bash scripts/train_default_head.sh"
   echo '```'
   echo
-  echo "Wall time on $("$PY" -c "import jax; print(jax.devices()[0].device_kind)"): prompts $((T1 - T0)) s, data $((T2 - T1)) s, train $((SECONDS - T2)) s."
+  echo "Wall time on $GPUS x $("$PY" -c "import jax; print(jax.devices()[0].device_kind)"): prompts $((T1 - T0)) s, data $((T2 - T1)) s, train $((SECONDS - T2)) s."
 } >> "$OUT/TRAINING.md"
 du -sh "$OUT"
 if [ -n "${PACK_TO:-}" ]; then
