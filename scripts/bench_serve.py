@@ -12,6 +12,9 @@ Reported per run:
   TPOT         (last token - first token) / (output tokens - 1) per request (p50, ms)
   tau, prefix hit rate   from the server's /metrics over the run (tokens per speculative step;
                prompt tokens reused from the prefix cache / prompt tokens looked up)
+  compiled     from /metrics over the run: new executables of the engine's programs, and XLA
+               compilations on the engine thread (count, seconds: every request waits for them); a
+               warm server compiles nothing in a run
 Prefix cache: when `specjax serve --help` offers --no-prefix-cache, runs are made with the cache on and
 off; otherwise the server has no prefix cache, and the script says so and makes one run per workload.
 
@@ -338,9 +341,11 @@ def main(argv=None) -> int:
             print(f"[bench_serve] starting specjax serve ({mode}, prefix cache {label})", flush=True)
             server = Server(a, mode, cache)
             try:
-                t0 = time.perf_counter()
+                t0, w0 = time.perf_counter(), server.metrics()
                 asyncio.run(warm_up(server, a, workloads))
-                print(f"[bench_serve] warm-up {time.perf_counter() - t0:.0f} s", flush=True)
+                c = compiles(w0, server.metrics())
+                print(f"[bench_serve] warm-up {time.perf_counter() - t0:.0f} s" + (
+                      f"; compiled: {compiled_text(c)}" if c else ""), flush=True)
                 for wname, convs in workloads.items():
                     for rate in rates:
                         m0 = server.metrics()
@@ -354,10 +359,12 @@ def main(argv=None) -> int:
                                   - m0.get("specjax_prefix_cache_hit_tokens_total", 0))
                         res.update(mode=mode, prefix_cache=label, workload=wname, rate=rate,
                                    tau=toks / steps if steps else None,
-                                   prefix_hit_rate=reused / looked if looked else None, **server_ttft(m0, m1))
+                                   prefix_hit_rate=reused / looked if looked else None, **server_ttft(m0, m1),
+                                   **compiles(m0, m1))
                         results.append(res)
                         print(f"[bench_serve] {mode} | {wname} | rate {rate:g}: {res['out_tok_per_s']:.1f} tok/s, "
                               f"TTFT p50 {res['ttft_p50_ms']:.0f} ms, ITL p99 {res['itl_p99_ms']:.0f} ms"
+                              + (f", compiled during the run: {compiled_text(res)}" if "programs_compiled" in res else "")
                               + (f", {res['failed']} failed: {res['errors']}" if res["failed"] else ""), flush=True)
                 if a.long_prompt_tokens > 0 and cache == caches[0]:
                     for i in range(2):  # the first run compiles the long prefill: discarded
@@ -406,18 +413,41 @@ def steps_per_dispatch(m0: dict, m1: dict) -> dict:
     return {"steps_per_dispatch": steps / n} if n else {}
 
 
+def compiles(m0: dict, m1: dict) -> dict:
+    """Compilations between two /metrics readings (a server without the counters: {}):
+    programs_compiled (new executables of the engine's programs), engine_thread_compiles / _s (XLA
+    compilations on the engine thread: stalls)."""
+    if "specjax_compiled_programs" not in m1:
+        return {}
+
+    def delta(name):
+        return m1.get(name, 0) - m0.get(name, 0)
+    return dict(programs_compiled=int(delta("specjax_compiled_programs")),
+                engine_thread_compiles=int(delta("specjax_engine_thread_compilations_total")),
+                engine_thread_compile_s=delta("specjax_engine_thread_compile_seconds_total"))
+
+
+def compiled_text(c: dict) -> str:
+    """'3 programs (engine thread: 2 XLA, 4.1 s)'."""
+    return (f"{c['programs_compiled']} programs (engine thread: {c['engine_thread_compiles']} XLA, "
+            f"{c['engine_thread_compile_s']:.1f} s)")
+
+
 def print_table(results, a) -> None:
     print(f"\n{a.num_requests} requests x {a.max_tokens} output tokens, {a.dtype}, max_batch {a.max_batch}, "
           f"max_seq_len {a.max_seq_len}\n")
     print("| mode | prefix cache | workload | rate (req/s) | done | req/s | out tok/s | TTFT p50 / p99 (ms) "
-          "| ITL p50 / p99 (ms) | TPOT p50 (ms) | tau | prefix hit rate |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ITL p50 / p99 (ms) | TPOT p50 (ms) | tau | prefix hit rate | compiled in run: programs / engine "
+          "thread XLA (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
         hit = "" if r["prefix_hit_rate"] is None else f"{r['prefix_hit_rate']:.0%}"
+        comp = (f"{r['programs_compiled']} / {r['engine_thread_compiles']} ({r['engine_thread_compile_s']:.1f})"
+                if "programs_compiled" in r else "")
         print(f"| {r['mode']} | {r['prefix_cache']} | {r['workload']} | {r['rate']:g} | {r['completed']} | "
               f"{r['req_per_s']:.2f} | {r['out_tok_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
-              f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['tpot_p50_ms']:.1f} | {tau} | {hit} |")
+              f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['tpot_p50_ms']:.1f} | {tau} | {hit} | {comp} |")
     rows = [r for r in results if "server_ttft_mean_ms" in r]
     if rows:
         print("\nTime to first token inside the server (mean ms, from /metrics; the rest of the client's TTFT is "

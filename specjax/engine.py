@@ -49,6 +49,7 @@ from flax import nnx
 from specjax import attention as attn_lib
 from specjax import dispatch_plan
 from specjax.adaptive import AcceptanceGate, check_min_accept, check_probe_every
+from specjax.compile_watch import CompileWatch
 from specjax import programs as prog
 from specjax.decode import PrefillRows
 from specjax.engine_dfa import DFASteps
@@ -243,6 +244,7 @@ class Engine(GrammarSteps, DFASteps):
         self.shapes = ShapeReuse(slack=4)  # padded shapes: reuse a compiled program up to 4x the size
         self.dispatches = dict.fromkeys(("decode", "spec", "lite"), 0)  # decode dispatches by kind
         self.steps_cap = dispatch_plan.StepsCap(batch_opts.adaptive_steps)  # steps per dispatch at most
+        self.compiles = CompileWatch(self.num_compiled)  # compilations on the engine thread, logged
         self._loop_end = None  # when the last step() that dispatched ended (the loop's period)
         self.gate = AcceptanceGate()  # lite or fused steps by measured acceptance (BatchOptions.min_accept)
         self._last_kind = None  # the kind of the last decode dispatch
@@ -360,6 +362,7 @@ class Engine(GrammarSteps, DFASteps):
             "steps_per_call_cap": self.steps_cap.caps(self.batch_opts)[0 if self.draft is None else 1],
             **self.gate.stats(),  # lite dispatches chosen by the acceptance gate, its probes (specjax.adaptive)
             **self._dfa_counts(),  # constrained requests by path: device DFA / host grammar, DFA fallbacks
+            **self.compiles.stats(),  # executables held, XLA compilations on the stepping thread (s)
         }
 
     def num_compiled(self) -> int:
@@ -416,9 +419,11 @@ class Engine(GrammarSteps, DFASteps):
         tokens or finished since the last call."""
         t0 = time.perf_counter()
         read0, before = self.host.seconds["read"], sum(self.dispatches.values())
+        self.compiles.step_begin()
         try:
             return self._step()
         finally:
+            self.compiles.step_end()
             end = time.perf_counter()
             self.host.steps += 1
             self.host.step_s += end - t0
@@ -526,12 +531,14 @@ class Engine(GrammarSteps, DFASteps):
         mask, drafts = self._prefill_grammar(samplers, B)  # the first token's masks (and grammar drafts)
         rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
         t0 = time.perf_counter()
+        what = lambda: f"prefill rows={B} length={T} {flags}"  # noqa: E731 - logged when it compiled
         if self.draft is None:
-            out, trees, self.state, self.samp = self.steps.prefill(self.weights, self.state, self.samp, rows, samp,
-                                                                   mask, **flags)
+            out, trees, self.state, self.samp = self.compiles.call(
+                what, self.steps.prefill, self.weights, self.state, self.samp, rows, samp, mask, **flags)
         else:
-            out, trees, self.state, self.samp = self.spec_steps.prefill(
-                self.weights, self.draft_weights, self.state, self.samp, rows, samp, mask, drafts, **flags)
+            out, trees, self.state, self.samp = self.compiles.call(
+                what, self.spec_steps.prefill, self.weights, self.draft_weights, self.state, self.samp, rows, samp,
+                mask, drafts, **flags)
         self.host.add("dispatch", t0)
         finals = [(b, pc.slot, pc.req) for b, pc in enumerate(pieces) if pc.final]
         if finals:  # a call of unfinished prefills only has nothing to read
@@ -590,29 +597,40 @@ class Engine(GrammarSteps, DFASteps):
         b = self.batch_opts
         gated = (self.draft is not None and not grammar and not dispatch_plan.runs_lite(len(rows), b.speculate_below)
                  and self.gate.lite([r for _, r in rows], b.min_accept, b.probe_every))
+        rows_b = (self.sched.rows_bucket(len(rows)),)
         p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated,
                                caps=self.steps_cap.caps(b))
         if grammar:
             slots, active = self.sched.row_slots(rows)
         else:  # the bucket, or a larger batch already dispatched by the same program family
-            n, = self.shapes.pick(("decode", p.kind, p.num_steps, *flags.values()), (self.sched.rows_bucket(len(rows)),))
+            n, = self.shapes.pick(self._decode_key(p.kind, p.num_steps, flags), rows_b)
             slots, active = self.sched.row_slots(rows, num_rows=n)
         mask, drafts = self._step_grammar(rows, len(slots)) if grammar else (None, None)
         self._push_page_table()  # pages the plan took for K steps
         t0 = time.perf_counter()
-        if self.draft is not None:  # K steps in one program: a row that finishes stops changing state
-            out, trees, self.state = self.spec_steps.step(self.weights, self.draft_weights, self.state, self.samp,
-                                                          slots, active, mask, self._stop_rows(rows, len(slots)),
-                                                          drafts, num_steps=p.num_steps, lite=p.kind == "lite",
-                                                          **flags)
-        else:
-            out, trees, self.state = self.steps.decode_many(self.weights, self.state, self.samp, slots, active, mask,
-                                                            num_steps=p.num_steps, **flags)
+        fn, args, kw = self._decode_call(p.kind, p.num_steps, rows, slots, active, mask, drafts, flags)
+        out, trees, self.state = self.compiles.call(lambda: f"{p.kind} K={p.num_steps} rows={len(slots)} {flags}",
+                                                    fn, *args, **kw)
         self.host.add("dispatch", t0)
         entry = self._push(p.kind, out, trees, _indexed(rows), p.advance, p.sure)
         entry.after_lite = p.kind == "spec" and self._last_kind == "lite"
         self._last_kind = p.kind
         return entry
+
+    @staticmethod
+    def _decode_key(kind: str, K: int, flags: dict) -> tuple:
+        """The ShapeReuse key of a decode program family (its static arguments)."""
+        return ("decode", kind, K, *flags.values())
+
+    def _decode_call(self, kind, K, rows, slots, active, mask, drafts, flags):
+        """(program, arguments, static arguments) of a decode dispatch of K steps (K lite steps for
+        kind "lite"): a row that finishes stops changing state."""
+        if self.draft is not None:
+            return self.spec_steps.step, (self.weights, self.draft_weights, self.state, self.samp, slots, active, mask,
+                                          self._stop_rows(rows, len(slots)), drafts), \
+                dict(num_steps=K, lite=kind == "lite", **flags)
+        return self.steps.decode_many, (self.weights, self.state, self.samp, slots, active, mask), \
+            dict(num_steps=K, **flags)
 
     def _stop_rows(self, rows, B: int) -> prog.StopRows:
         """The rows' stop ids (EOS unless ignored, stop_token_ids; [B, E], E bucketed) and the

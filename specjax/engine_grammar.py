@@ -106,23 +106,27 @@ class GrammarSteps:
         slots, active = self.sched.row_slots(rows)
         flags = self._flags([r for _, r in rows])
         t0 = time.perf_counter()
+        what = lambda: f"{'verify' if self.draft is not None else 'forward'} rows={len(slots)}"  # noqa: E731
         if self.draft is not None:
-            verified, self.state = self.spec_steps.verify(self.weights, self.state, slots, active)
+            verified, self.state = self.compiles.call(what, self.spec_steps.verify, self.weights, self.state, slots,
+                                                      active)
         else:
-            logits, self.state = self.steps.forward(self.weights, self.state, slots, active)
+            logits, self.state = self.compiles.call(what, self.steps.forward, self.weights, self.state, slots, active)
         self.host.add("dispatch", t0)
         later = self._collect_constrained()  # step t (and prefills) of the constrained rows: matchers, trees
         mask, drafts = self._step_grammar(rows, len(slots))
         indexed = [(b, s, r) for b, (s, r) in enumerate(rows)]
         if self.draft is not None:
             t0 = time.perf_counter()
-            out, trees, self.state = self.spec_steps.finish(self.weights, self.draft_weights, self.state, verified,
-                                                            self.samp, slots, active, mask, drafts, **flags)
+            out, trees, self.state = self.compiles.call(
+                lambda: f"finish rows={len(slots)} {flags}", self.spec_steps.finish, self.weights, self.draft_weights,
+                self.state, verified, self.samp, slots, active, mask, drafts, **flags)
             self.host.add("dispatch", t0)
             entry = self._push("spec", out, trees, indexed, self.draft.spec.num_steps + 1, 1)
         else:
             t0 = time.perf_counter()
-            out, _, self.state = self.steps.sample(self.state, logits, self.samp, slots, active, mask, **flags)
+            out, _, self.state = self.compiles.call(lambda: f"sample rows={len(slots)} {flags}", self.steps.sample,
+                                                    self.state, logits, self.samp, slots, active, mask, **flags)
             self.host.add("dispatch", t0)
             entry = self._push("decode", out, None, indexed, 1, 1)
         self._accept_all(later)  # the unconstrained rows of step t, while step t+1 runs

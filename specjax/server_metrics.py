@@ -37,6 +37,17 @@ def _ttft(out: list[str], s) -> None:
             [({"phase": p}, f"{s.ttft_phase_s[p]:.6f}") for p in ("prepare", "pickup", "engine")])
 
 
+def _compiles(out: list[str], e: dict) -> None:
+    """Compilations (specjax.compile_watch): one on the engine thread stalls every request."""
+    _family(out, "specjax_compiled_programs", "gauge",
+            "Executables held by the engine's programs (a new shape or steps per dispatch adds one; constant "
+            "once warm).", [({}, e["compiled_programs"])])
+    _family(out, "specjax_engine_thread_compilations_total", "counter",
+            "XLA compilations on the engine thread (every request waits for each).", [({}, e["engine_thread_compiles"])])
+    _family(out, "specjax_engine_thread_compile_seconds_total", "counter", "Seconds of those compilations.",
+            [({}, f"{e['engine_thread_compile_s']:.6f}")])
+
+
 def render_metrics(llm, state) -> str:
     """llm: specjax.async_llm.AsyncLLM; state: the server's counters (in_flight, responses, prompt_tokens)."""
     s = llm.stats
@@ -94,6 +105,8 @@ def render_metrics(llm, state) -> str:
         _family(out, "specjax_steps_per_dispatch_cap", "gauge",
                 "Steps one decode dispatch may run now (adaptive: lower while the engine waits for the device).",
                 [({}, e["steps_per_call_cap"])])
+    if "compiled_programs" in e:
+        _compiles(out, e)
     enabled = bool(e["prefix_cache"])
     _family(out, "specjax_prefix_cache_enabled", "gauge", "1 if prompt prefixes reuse cached KV pages.",
             [({}, int(enabled))])

@@ -83,6 +83,10 @@ def test_shared_pages_count_once_and_prefix_counters_are_the_engines(world):
         assert m[f'specjax_decode_dispatch_steps_total{{kind="{kind}"}}'] == st[f"{kind}_dispatch_steps"]
     assert m['specjax_decode_dispatches_total{kind="decode"}'] > 0
     assert m["specjax_steps_per_dispatch_cap"] == st["steps_per_call_cap"] == eng.batch_opts.steps_per_call
+    # compilations: the engine's executables, XLA compilations of the thread that stepped it (this one)
+    assert m["specjax_compiled_programs"] == st["compiled_programs"] == eng.num_compiled() >= 2  # prefill, decode
+    assert m["specjax_engine_thread_compilations_total"] == st["engine_thread_compiles"]
+    assert m["specjax_engine_thread_compile_seconds_total"] == pytest.approx(st["engine_thread_compile_s"], abs=1e-5)
 
 
 def test_prefix_cache_off_exports_no_prefix_figures(world):

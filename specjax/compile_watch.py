@@ -1,0 +1,91 @@
+"""Where the engine's compilations happen: XLA compilations counted by the thread that ran them, and
+each program call that added an executable logged.
+
+A compilation on the engine thread stalls every request (seconds per program on a GPU); one on a
+worker thread (specjax.background_compile) does not. JAX reports each XLA compilation as a
+monitoring event on the thread that compiles; `thread_compiles()` is what the calling thread has
+compiled so far (count, seconds). Reading it costs a dict lookup: no device sync.
+
+    Engine.step()             -> CompileWatch.step_begin / step_end: every XLA compilation of the
+                                 stepping thread (programs, eager ops, admission helpers) counted
+    Engine program calls      -> CompileWatch.call(what, fn, ...): a call after which the engine
+                                 holds more executables (Engine.num_compiled) or this thread compiled
+                                 is logged at INFO: the program, its shape, how long the call took
+    Engine.stats()            -> compiled_programs, engine_thread_compiles / _s (/metrics)
+
+A persistent-cache hit (specjax.compile_cache) is no XLA compilation but still a new executable:
+its call is logged with 0 compilations and the time the load took.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+
+__all__ = ["CompileWatch", "install", "thread_compiles"]
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+log = logging.getLogger("specjax")
+_by_thread: dict[int, list] = {}  # thread ident -> [XLA compilations, seconds]
+_installed = False
+_lock = threading.Lock()
+
+
+def _listener(event: str, duration: float, **kw) -> None:
+    if event == COMPILE_EVENT:
+        c = _by_thread.setdefault(threading.get_ident(), [0, 0.0])  # only this thread writes its entry
+        c[0] += 1
+        c[1] += duration
+
+
+def install() -> None:
+    """Register the listener (once per process)."""
+    global _installed
+    with _lock:
+        if not _installed:
+            jax.monitoring.register_event_duration_secs_listener(_listener)
+            _installed = True
+
+
+def thread_compiles() -> tuple[int, float]:
+    """(XLA compilations, their seconds) run by the calling thread since install()."""
+    c = _by_thread.get(threading.get_ident())
+    return (c[0], c[1]) if c else (0, 0.0)
+
+
+class CompileWatch:
+    """An engine's compile counters. num_compiled: the engine's executables (Engine.num_compiled)."""
+
+    def __init__(self, num_compiled: Callable[[], int]):
+        install()
+        self.num_compiled = num_compiled
+        self.step_compiles, self.step_compile_s = 0, 0.0  # XLA compilations on the stepping thread
+        self.new_programs = 0  # program calls that added an executable
+        self._at_step = (0, 0.0)
+
+    def step_begin(self) -> None:
+        self._at_step = thread_compiles()
+
+    def step_end(self) -> None:
+        n, s = thread_compiles()
+        self.step_compiles += n - self._at_step[0]
+        self.step_compile_s += s - self._at_step[1]
+
+    def call(self, what: Callable[[], str], fn, *args, **kwargs):
+        """fn(*args, **kwargs); logged when it added an executable or compiled on this thread.
+        what() names the program and its shape (only called to log)."""
+        n0, (c0, s0), t0 = self.num_compiled(), thread_compiles(), time.perf_counter()
+        out = fn(*args, **kwargs)
+        n1, (c1, s1) = self.num_compiled(), thread_compiles()
+        if n1 != n0 or c1 != c0:
+            self.new_programs += max(0, n1 - n0)
+            log.info("engine: new program %s: the call took %.3f s on the engine thread, %d XLA compilation(s) "
+                     "there (%.3f s); %d executables held", what(), time.perf_counter() - t0, c1 - c0, s1 - s0, n1)
+        return out
+
+    def stats(self) -> dict:
+        return {"compiled_programs": self.num_compiled(), "engine_thread_compiles": self.step_compiles,
+                "engine_thread_compile_s": self.step_compile_s}
