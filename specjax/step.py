@@ -185,7 +185,8 @@ def _pick_chain(info, draft, logits, samp, pos, vocab_size, sample_drafts):
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not sample_drafts:
         return greedy, None
-    q = verify.filtered_probs(logits, samp)  # [B, Vd]; one-hot argmax for greedy rows
+    unfiltered = isinstance(sample_drafts, str) and sample_drafts == sampling.UNFILTERED  # no top-k / top-p row
+    q = verify.filtered_probs(logits, samp, unfiltered)  # [B, Vd]; one-hot argmax for greedy rows
     drawn = jax.vmap(jax.random.categorical)(_draft_keys(samp, pos), jnp.log(q)).astype(jnp.int32)
     tok = jnp.where(samp.temperature > 0, drawn, greedy)
     return tok, drafter.probs_to_target(info, draft, q, vocab_size)
@@ -408,7 +409,7 @@ def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state
         forced = grammar_levels(grammar_drafts, jnp.zeros_like(out.tokens), out.tokens, spec.num_steps)
     roots = None if v is None else tables.state[jnp.clip(rows.slots, 0, max_slots - 1)]  # after the first token
     tree, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act * final, out.tokens, rows.start + rows.lens,
-                             Ld, h_last, lg_last, samp, stochastic and state.draft_probs is not None,
+                             Ld, h_last, lg_last, samp, (stochastic if state.draft_probs is not None else False),
                              _draft_rows(info, pen, rows.slots), forced,
                              _draft_dfa(info, state, jnp.clip(rows.slots, 0, max_slots - 1), roots))
     draft_seq_lens = state.draft_seq_lens.at[rows.slots].set(Ld, mode="drop")
@@ -601,7 +602,7 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
     pt, ps = state.cache.page_table[rs], state.cache.page_size
     nxt, probs, dkv = _grow(info, spec, draft, target, new.draft_kv, pt, ps, active.astype(jnp.int32), acc.bonus, L2,
                             state.draft_seq_lens[rs] + n, h_last, lg_last, samp,
-                            stochastic and state.draft_probs is not None, _draft_rows(info, new.penalties, rs), forced,
+                            (stochastic if state.draft_probs is not None else False), _draft_rows(info, new.penalties, rs), forced,
                             _draft_dfa(info, state, rs, acc.dfa_state))
     return _store(new, upd, nxt, probs, dkv, new.draft_seq_lens, new.cache)
 

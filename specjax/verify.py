@@ -52,23 +52,29 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import SamplingArrays, filtered_logits
+from specjax.sampling import UNFILTERED, SamplingArrays, filtered_logits
 from specjax.tree import Tree, greedy_accept
 
 ACCEPT_TAG = 0x61636370  # fold-in tag of the acceptance uniforms
 BONUS_TAG = 0x626F6E73  # fold-in tag of the bonus / residual sample
 
 
-def filtered_probs(logits, samp: SamplingArrays):
+def filtered_probs(logits, samp: SamplingArrays, unfiltered: bool = False):
     """Sampling distribution [B, V] float32 of logits [B, V]: softmax of the temperature /
     top-k / top-p filtered logits, in vocabulary order. Rows with temperature 0 give the one-hot
-    of the argmax."""
+    of the argmax. unfiltered (static): the caller guarantees that no row uses top-k / top-p
+    (sampling.UNFILTERED programs), so the softmax of the scaled logits is that distribution: no
+    [B, V] sort (on an H200 the sort of each tree level was most of a sampled fused step's acceptance)."""
     logits = logits.astype(jnp.float32)
     b, v = logits.shape
-    vals, order = filtered_logits(logits, samp.temperature, samp.top_p, samp.top_k)  # [B, V] sorted
-    sorted_probs = jax.nn.softmax(vals, axis=-1)  # [B, V]
-    rows = jnp.arange(b)[:, None]
-    probs = jnp.zeros((b, v), jnp.float32).at[rows, order].set(sorted_probs)
+    if unfiltered:
+        t = jnp.where(samp.temperature > 0, samp.temperature, 1.0)[:, None]
+        probs = jax.nn.softmax(logits / t, axis=-1)
+    else:
+        vals, order = filtered_logits(logits, samp.temperature, samp.top_p, samp.top_k)  # [B, V] sorted
+        sorted_probs = jax.nn.softmax(vals, axis=-1)  # [B, V]
+        rows = jnp.arange(b)[:, None]
+        probs = jnp.zeros((b, v), jnp.float32).at[rows, order].set(sorted_probs)
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
     return jnp.where((samp.temperature > 0)[:, None], probs, greedy)
 
@@ -159,7 +165,8 @@ def verify_tree(tree: Tree, target_logits, samp: SamplingArrays, root_pos, *, dr
     root (keys the randomness). draft_probs: None (children are a deterministic function of the
     draft: point-mass proposals), or [B, N, V] float32 with draft_probs[b, c] the (filtered)
     distribution node c's token was sampled from; draft_probs[:, 0] is unused.
-    stochastic (static): False compiles the greedy-only program (== tree.greedy_accept).
+    stochastic (static): False compiles the greedy-only program (== tree.greedy_accept);
+    sampling.UNFILTERED one for rows without top-k / top-p (no sort); True the general one.
 
     Returns (accept_idx [B, D + 1] int32: the accepted path's node indices, accept_idx[:, 0] = 0,
     padded with -1; num_accepted [B] int32 >= 1 including the root; bonus [B] int32), the
@@ -175,6 +182,7 @@ def verify_tree(tree: Tree, target_logits, samp: SamplingArrays, root_pos, *, dr
         return g_idx, g_num, g_bonus
 
     rows = jnp.arange(b)
+    unfiltered = isinstance(stochastic, str) and stochastic == UNFILTERED
     max_children = None if tree.max_depth == n - 1 else n - 1  # a chain (max_depth known): one child per node
     base = _base_keys(samp.seed, root_pos)  # [B]
     accept_keys = _fold(base, ACCEPT_TAG)
@@ -182,7 +190,7 @@ def verify_tree(tree: Tree, target_logits, samp: SamplingArrays, root_pos, *, dr
     def level(carry, d):
         """One depth: filter the current node's logits, try its children, move or stop."""
         cur, alive, count, final = carry
-        p = filtered_probs(target_logits[rows, cur], samp)  # [B, V]
+        p = filtered_probs(target_logits[rows, cur], samp, unfiltered)  # [B, V]
         found, child, res, mass = _try_children(tree, cur, p, _fold(accept_keys, d + 1), draft_probs, max_children)
         stop = alive & ~found  # every child rejected, or a leaf: the bonus comes from the residual
         usable = (mass > 0) & (jnp.sum(res, axis=-1) > 0)  # guard: an empty residual falls back to p

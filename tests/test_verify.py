@@ -238,6 +238,20 @@ def test_filtered_probs_matches_brute_force():
         np.testing.assert_allclose(got[r], want, atol=2e-6)
 
 
+def test_filtered_probs_unfiltered_equals_filtered_without_filters():
+    """unfiltered=True (no sort) gives the distribution of the sorting path for rows with top_p 1 and
+    top_k 0, greedy rows included."""
+    rng = np.random.default_rng(1)
+    b, v = 16, 50
+    logits = jnp.asarray(rng.normal(0, 3.0, (b, v)).astype(np.float32))
+    samp = samp_arrays(rng.choice([0.0, 0.3, 1.0, 2.0], b), np.ones(b), np.zeros(b, np.int32), np.zeros(b))
+    want = np.asarray(_filtered(logits, samp))
+    got = np.asarray(jax.jit(filtered_probs, static_argnums=2)(logits, samp, True))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert np.abs(got - np.asarray(_filtered(logits, samp_arrays(np.ones(b), np.full(b, 0.5), np.zeros(b, np.int32),
+                                                                   np.zeros(b))))).max() > 0.01  # filters change it
+
+
 # ----------------------------------------------------------------------------- greedy
 
 
@@ -396,7 +410,7 @@ def draft_tables(v, depth, temperature, top_k, seed):
     return logits, p, q
 
 
-def run_sampled_drafts(parents, depth, v, temperature, top_k, seed):
+def run_sampled_drafts(parents, depth, v, temperature, top_k, seed, stochastic=True):
     """NUM rows of a tree whose node c is drawn from the draft law after its parent's prefix
     (jax.random.categorical); verified with draft_probs. -> (sequences, p_of(prefix), q_of(prefix))."""
     l_tab, p_tab, q_tab = draft_tables(v, depth, temperature, top_k, seed)
@@ -412,7 +426,7 @@ def run_sampled_drafts(parents, depth, v, temperature, top_k, seed):
     tree = make_tree(tokens, np.tile(parents, (NUM, 1)), depth)
     samp = samp_arrays(temperature, 1.0, top_k, np.arange(NUM))
     out = _verify(tree, jnp.asarray(l_tab[codes]), samp, jnp.full((NUM,), 12, jnp.int32),
-                  draft_probs=jnp.asarray(draft_probs))
+                  draft_probs=jnp.asarray(draft_probs), stochastic=stochastic)
     return sequences(tree, out), lambda pre: p_tab[code(pre, v)], lambda pre: q_tab[code(pre, v)]
 
 
@@ -426,6 +440,18 @@ def test_lossless_sampled_chain():
     assert pval > P_MIN, pval
     pval, outside = conditional_test(seqs, p_of)
     assert not outside and pval > P_MIN, (pval, outside)
+
+
+def test_lossless_sampled_chain_unfiltered_program():
+    """The UNFILTERED program (rows without top-k / top-p: softmax without the sort) keeps the law."""
+    from specjax.sampling import UNFILTERED
+    depth, v = 3, 6
+    seqs, p_of, q_of = run_sampled_drafts(np.arange(-1, depth, dtype=np.int32), depth, v, 0.8, 0, 22,
+                                          stochastic=UNFILTERED)
+    law = chain_law(p_of, q_of, depth)
+    pval, outside = law_test(seqs, law)
+    assert not outside, outside
+    assert pval > P_MIN, pval
 
 
 def test_lossless_sampled_siblings():
