@@ -13,8 +13,8 @@ Reported per run:
   tau, prefix hit rate   from the server's /metrics over the run (tokens per speculative step;
                prompt tokens reused from the prefix cache / prompt tokens looked up)
   compiled     from /metrics over the run: new executables of the engine's programs, and XLA
-               compilations on the engine thread (count, seconds: every request waits for them); a
-               warm server compiles nothing in a run
+               compilations on the engine thread (count, seconds: every request waits for them) and
+               on its background worker (adaptive steps); a warm server compiles nothing in a run
 Prefix cache: when `specjax serve --help` offers --no-prefix-cache, runs are made with the cache on and
 off; otherwise the server has no prefix cache, and the script says so and makes one run per workload.
 
@@ -416,7 +416,7 @@ def steps_per_dispatch(m0: dict, m1: dict) -> dict:
 def compiles(m0: dict, m1: dict) -> dict:
     """Compilations between two /metrics readings (a server without the counters: {}):
     programs_compiled (new executables of the engine's programs), engine_thread_compiles / _s (XLA
-    compilations on the engine thread: stalls)."""
+    compilations on the engine thread: stalls), background_compiles (its worker: adaptive steps)."""
     if "specjax_compiled_programs" not in m1:
         return {}
 
@@ -424,13 +424,14 @@ def compiles(m0: dict, m1: dict) -> dict:
         return m1.get(name, 0) - m0.get(name, 0)
     return dict(programs_compiled=int(delta("specjax_compiled_programs")),
                 engine_thread_compiles=int(delta("specjax_engine_thread_compilations_total")),
-                engine_thread_compile_s=delta("specjax_engine_thread_compile_seconds_total"))
+                engine_thread_compile_s=delta("specjax_engine_thread_compile_seconds_total"),
+                background_compiles=int(delta("specjax_background_compilations_total")))
 
 
 def compiled_text(c: dict) -> str:
-    """'3 programs (engine thread: 2 XLA, 4.1 s)'."""
+    """'3 programs (engine thread: 2 XLA, 4.1 s; background 1)'."""
     return (f"{c['programs_compiled']} programs (engine thread: {c['engine_thread_compiles']} XLA, "
-            f"{c['engine_thread_compile_s']:.1f} s)")
+            f"{c['engine_thread_compile_s']:.1f} s; background {c['background_compiles']})")
 
 
 def print_table(results, a) -> None:
@@ -438,13 +439,13 @@ def print_table(results, a) -> None:
           f"max_seq_len {a.max_seq_len}\n")
     print("| mode | prefix cache | workload | rate (req/s) | done | req/s | out tok/s | TTFT p50 / p99 (ms) "
           "| ITL p50 / p99 (ms) | TPOT p50 (ms) | tau | prefix hit rate | compiled in run: programs / engine "
-          "thread XLA (s) |")
+          "thread XLA (s) / background |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
         hit = "" if r["prefix_hit_rate"] is None else f"{r['prefix_hit_rate']:.0%}"
-        comp = (f"{r['programs_compiled']} / {r['engine_thread_compiles']} ({r['engine_thread_compile_s']:.1f})"
-                if "programs_compiled" in r else "")
+        comp = (f"{r['programs_compiled']} / {r['engine_thread_compiles']} ({r['engine_thread_compile_s']:.1f}) / "
+                f"{r['background_compiles']}" if "programs_compiled" in r else "")
         print(f"| {r['mode']} | {r['prefix_cache']} | {r['workload']} | {r['rate']:g} | {r['completed']} | "
               f"{r['req_per_s']:.2f} | {r['out_tok_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
               f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['tpot_p50_ms']:.1f} | {tau} | {hit} | {comp} |")

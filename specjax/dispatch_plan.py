@@ -7,7 +7,9 @@ KV pages those steps need beyond the scheduler's one-step reservation. Host only
              "lite"    lite steps (specjax.step.spec_lite_step: plain decoding that keeps the draft in
                        sync), for a speculative engine's batch of >= speculate_below rows
     -> K     decode / lite: steps_per_call, bucketed by the most tokens a row still needs (few
-             programs: one per bucket); spec: spec_steps_per_call; a grammar batch: 1
+             programs: one per bucket); spec: spec_steps_per_call; a grammar batch: 1; adaptive
+             steps (StepsCap) lower the cap, with a program compiled for the rows (else the nearest
+             level's, the wanted one compiled in the background)
     -> pages the scheduler reserved pages for one step of the engine's kind (`ahead` entries past
              each slot's length bound); K steps may need more: taken here for every row or for none
              (then K = 1: a tight page budget never preempts or fails a request for more steps)
@@ -36,6 +38,7 @@ class DispatchPlan(NamedTuple):
     num_steps: int  # K, steps in the dispatch
     advance: int  # cache positions a row may gain (scheduler.inflight)
     sure: int  # steps run: tokens a row gets at least, or it finishes (scheduler.sure)
+    wanted: int | None = None  # the adapted K, when its program was not ready and num_steps ran instead
 
 
 class StepsCap:
@@ -48,20 +51,35 @@ class StepsCap:
     steps per dispatch would cost throughput and K doubles back. The signal: the share of the engine
     loop's wall time spent waiting for device results, averaged over recent steps (`observe`). K
     changes only how steps are grouped into dispatches: outputs are those of any fixed K (tests).
-    Each level's programs compile on first use per batch bucket (then the persistent cache), like any
-    new shape. Not adaptive: the configured steps per call."""
+    A level change never compiles on the engine thread: each level runs other programs (K is
+    static), and a level's program for the batch's rows bucket (and flags) that is not compiled yet
+    is compiled on a worker thread (specjax.background_compile) while the dispatches run the nearest
+    level whose program is (`chain`, `plan`'s ready); the engine switches at the first step after it
+    is ready. Rows for which no level's program is compiled (a new bucket) run the configured steps
+    per call, compiled on first use as with a fixed K (Engine logs each new program; /metrics counts
+    compilations on the engine thread and in the background). Several processes: process 0 decides
+    the level and when a compiled program is taken (specjax.multihost). Not adaptive: the configured
+    steps per call, nothing compiled in the background."""
     SHRINK_ABOVE, GROW_BELOW = 0.5, 0.2  # waiting share of the loop; between them K stays
     ALPHA = 0.25  # weight of the newest step in the average
     MAX_LEVEL = 2  # K >= steps_per_call / 4
 
     def __init__(self, adaptive: bool):
-        self.adaptive = adaptive
+        self.adaptive = adaptive  # observe() adapts the level (off on a multi-host follower: process 0's)
+        self.span = self.MAX_LEVEL if adaptive else 0  # levels the engine may run
         self.level = 0  # halvings of the configured steps per call
         self.wait = None  # the average waiting share since the last change
 
-    def caps(self, batch_opts) -> tuple[int, int]:
-        """(plain / lite, fused speculative) steps per dispatch at most."""
-        return (max(1, batch_opts.steps_per_call >> self.level), max(1, batch_opts.spec_steps_per_call >> self.level))
+    def caps(self, batch_opts, level: int | None = None) -> tuple[int, int]:
+        """(plain / lite, fused speculative) steps per dispatch at most (at this level, or the current)."""
+        lv = self.level if level is None else level
+        return (max(1, batch_opts.steps_per_call >> lv), max(1, batch_opts.spec_steps_per_call >> lv))
+
+    def chain(self, batch_opts) -> list[tuple[int, int]]:
+        """The caps of this level, then of the other levels, nearest first (plan's `caps`: a level
+        whose program is not compiled for the rows gives way to the nearest one that is)."""
+        levels = sorted(set(range(self.span + 1)) | {self.level}, key=lambda lv: (abs(lv - self.level), lv))
+        return [self.caps(batch_opts, lv) for lv in levels]
 
     def observe(self, wait_s: float, loop_s: float) -> bool:
         """One engine step that read device results: wait_s of its loop_s spent waiting. Returns
@@ -92,28 +110,45 @@ def _work_steps(rows, steps_per_call: int) -> int:
     return min(steps_per_call, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, steps_per_call))
 
 
+def _steps(kind: str, rows, grammar: bool, caps: tuple[int, int]) -> int:
+    """K of a dispatch of this kind under caps (plain / lite, fused), before the page check."""
+    if grammar:
+        return 1
+    return caps[1] if kind == "spec" else _work_steps(rows, caps[0])
+
+
 def plan(rows, grammar: bool, batch_opts, sched: Scheduler, draft=None, lookahead: int = 0,
-         gated: bool = False, caps: tuple[int, int] | None = None) -> DispatchPlan:
+         gated: bool = False, caps: list[tuple[int, int]] | None = None, ready=None) -> DispatchPlan:
     """The next decode dispatch over rows [(slot, request)]; takes the pages of K > 1 steps from the
     scheduler (the caller pushes the page table when it changed). draft: the engine's Draft (None:
     plain decoding); lookahead: entries one fused step touches past a slot's length (step.lookahead,
     the scheduler's `ahead` for a speculative engine); gated: the acceptance gate chose lite steps
     (specjax.adaptive: the rows' drafts do not repay a fused step); caps: (plain / lite, fused) steps
-    per dispatch at most (StepsCap; None: batch_opts' steps_per_call, spec_steps_per_call)."""
+    per dispatch at most, in order of preference (StepsCap.chain; None: batch_opts' steps_per_call,
+    spec_steps_per_call); ready(kind, K): whether the program of K steps is compiled for these rows
+    (None: all are). The first cap whose K is ready is taken; none: the configured steps (compiled
+    on first use, as with a fixed K); `wanted` is the first cap's K when it was not taken (the caller
+    compiles it elsewhere)."""
     slots = [s for s, _ in rows]
-    plain_cap, spec_cap = caps or (batch_opts.steps_per_call, batch_opts.spec_steps_per_call)
+    last = (batch_opts.steps_per_call, batch_opts.spec_steps_per_call)
     if draft is None:
-        K = 1 if grammar else _work_steps(rows, plain_cap)
-        return DispatchPlan("decode", K, K, K)
-    if not grammar and (gated or runs_lite(len(rows), batch_opts.speculate_below)):
+        kind = "decode"
+    elif not grammar and (gated or runs_lite(len(rows), batch_opts.speculate_below)):
+        kind = "lite"
+    else:
+        kind = "spec"
+    Ks = [_steps(kind, rows, grammar, c) for c in (caps or [last])]
+    K = next((k for k in Ks if ready is None or ready(kind, k)), _steps(kind, rows, grammar, last))
+    wanted = None if K == Ks[0] else Ks[0]
+    if kind == "decode":
+        return DispatchPlan("decode", K, K, K, wanted)
+    if kind == "lite":
         from specjax.step import lite_lookahead
-        K = _work_steps(rows, plain_cap)
         extra = lite_lookahead(draft.info, K) - lookahead  # one lite step touches <= 2 <= lookahead entries
         if extra > 0 and not sched.ensure_extra(slots, extra):
             K = 1
-        return DispatchPlan("lite", K, K, K)
+        return DispatchPlan("lite", K, K, K, wanted)
     per_step = draft.spec.num_steps + 1
-    K = 1 if grammar else spec_cap
     if K > 1 and not sched.ensure_extra(slots, (K - 1) * per_step):
         K = 1
-    return DispatchPlan("spec", K, K * per_step, K)
+    return DispatchPlan("spec", K, K * per_step, K, wanted)

@@ -49,6 +49,7 @@ from flax import nnx
 from specjax import attention as attn_lib
 from specjax import dispatch_plan
 from specjax.adaptive import AcceptanceGate, check_min_accept, check_probe_every
+from specjax.background_compile import BackgroundCompiles
 from specjax.compile_watch import CompileWatch
 from specjax import programs as prog
 from specjax.decode import PrefillRows
@@ -92,7 +93,8 @@ class BatchOptions:
 
     adaptive_steps: bool = False  # steps per dispatch halve (to a quarter) while the host waits for the
     #                               device and grow back while it does not (dispatch_plan.StepsCap): a
-    #                               new request waits less for the dispatches in flight (the server's)
+    #                               new request waits less for the dispatches in flight (the server's);
+    #                               a level's programs compile in the background, never on the engine thread
     min_accept: float | None = None  # speculative engine: lite steps while the rows' measured tokens per
     #                                  fused step are below this (specjax.adaptive); None: off
     probe_every: int = 8  # gated by min_accept: one fused dispatch after this many lite ones
@@ -244,6 +246,8 @@ class Engine(GrammarSteps, DFASteps):
         self.shapes = ShapeReuse(slack=4)  # padded shapes: reuse a compiled program up to 4x the size
         self.dispatches = dict.fromkeys(("decode", "spec", "lite"), 0)  # decode dispatches by kind
         self.steps_cap = dispatch_plan.StepsCap(batch_opts.adaptive_steps)  # steps per dispatch at most
+        self.background = BackgroundCompiles()  # the adapted steps' programs, compiled off the engine thread
+        self.compiles_from_leader = False  # multi-host follower: process 0 says when they are ready
         self.compiles = CompileWatch(self.num_compiled)  # compilations on the engine thread, logged
         self._loop_end = None  # when the last step() that dispatched ended (the loop's period)
         self.gate = AcceptanceGate()  # lite or fused steps by measured acceptance (BatchOptions.min_accept)
@@ -363,6 +367,7 @@ class Engine(GrammarSteps, DFASteps):
             **self.gate.stats(),  # lite dispatches chosen by the acceptance gate, its probes (specjax.adaptive)
             **self._dfa_counts(),  # constrained requests by path: device DFA / host grammar, DFA fallbacks
             **self.compiles.stats(),  # executables held, XLA compilations on the stepping thread (s)
+            "background_compiles": self.background.count, "background_compile_s": self.background.seconds,
         }
 
     def num_compiled(self) -> int:
@@ -437,7 +442,21 @@ class Engine(GrammarSteps, DFASteps):
                 self.replica.steps_level(self.steps_cap.level)
         self._loop_end = end if dispatched else None
 
+    def _take_compiled(self) -> None:
+        """Programs compiled in the background since the last step become dispatchable here, at the
+        start of a step (a follower of several processes: when process 0 says so, at the same step)."""
+        for key, ok in self.background.finished():
+            if ok and not self.compiles_from_leader:
+                self.mark_compiled(key)
+
+    def mark_compiled(self, key) -> None:
+        """key: (program family, dims) of ShapeReuse, compiled: later dispatches may take it."""
+        self.shapes.add(tuple(key[0]), tuple(key[1]))
+        if self.replica is not None:
+            self.replica.compiled(key)
+
     def _step(self) -> list[StepUpdate]:
+        self._take_compiled()
         if self.replica is not None:  # multi-host: the other processes take the same step
             self.replica.send("step")
         pieces = self.sched.plan_prefill()
@@ -598,8 +617,14 @@ class Engine(GrammarSteps, DFASteps):
         gated = (self.draft is not None and not grammar and not dispatch_plan.runs_lite(len(rows), b.speculate_below)
                  and self.gate.lite([r for _, r in rows], b.min_accept, b.probe_every))
         rows_b = (self.sched.rows_bucket(len(rows)),)
+
+        def ready(kind, K):  # a program of K steps compiled for these rows (adapted caps wait for it)
+            return self.shapes.find(self._decode_key(kind, K, flags), rows_b) is not None
+
         p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated,
-                               caps=self.steps_cap.caps(b))
+                               caps=self.steps_cap.chain(b), ready=ready)
+        if p.wanted is not None:  # the adapted K's program is compiled off the engine thread meanwhile
+            self._compile_later(p.kind, p.wanted, rows, flags)
         if grammar:
             slots, active = self.sched.row_slots(rows)
         else:  # the bucket, or a larger batch already dispatched by the same program family
@@ -631,6 +656,14 @@ class Engine(GrammarSteps, DFASteps):
                 dict(num_steps=K, lite=kind == "lite", **flags)
         return self.steps.decode_many, (self.weights, self.state, self.samp, slots, active, mask), \
             dict(num_steps=K, **flags)
+
+    def _compile_later(self, kind, K, rows, flags) -> None:
+        """Compile the program of K steps for these rows' bucket on the worker thread (once)."""
+        n = self.sched.rows_bucket(len(rows))
+        key = (self._decode_key(kind, K, flags), (n,))
+        if key not in self.background.requested:
+            slots, active = self.sched.row_slots(rows, num_rows=n)
+            self.background.request(key, *self._decode_call(kind, K, rows, slots, active, None, None, flags))
 
     def _stop_rows(self, rows, B: int) -> prog.StopRows:
         """The rows' stop ids (EOS unless ignored, stop_token_ids; [B, E], E bucketed) and the

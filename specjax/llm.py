@@ -130,7 +130,9 @@ class LLM:
         adaptive_steps: those halve (to a quarter) while the engine waits for the device and grow back
         while the host is busy (specjax.dispatch_plan.StepsCap; `specjax serve` turns it on): lower
         latency for arriving requests at light load (measured); meant to keep the full steps where the
-        host is the bottleneck (saturation: not yet measured); the same outputs.
+        host is the bottleneck (saturation: not yet measured); the same outputs. A level whose program
+        is not compiled for the batch's rows is compiled on a worker thread while the engine runs a
+        compiled level (specjax.background_compile): changing levels never compiles on the engine thread.
         speculate_below (with a draft): batches of this many rows or more run lite steps (plain
         decoding that keeps the draft in sync, switching back to speculation losslessly:
         specjax.dispatch_plan) instead of speculative ones; None: always speculate; "auto": from the

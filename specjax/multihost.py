@@ -12,6 +12,9 @@ decisions (admission, chunking, preemption, finishing) and dispatches the same p
     Engine.add_request(req)  -> log ("add", request fields)
     Engine.cancel(id)        -> log ("cancel", id)
     steps per dispatch adapted (BatchOptions.adaptive_steps) -> log ("steps", level)
+    a program compiled in the background is ready -> log ("compiled", key): the followers take it
+                                                      from the same step on (their own worker
+                                                      compiled it meanwhile, or their call does)
     Engine.step(): send the log, then "step"  --- Channel --->    Follower.replay(): per message
                    then the step itself                             add_request(Request(fields)) /
                                                                     cancel(id), then Engine.step()
@@ -175,6 +178,12 @@ class Leader:
         with self._lock:
             self._log.append(["steps", level])
 
+    def compiled(self, key) -> None:
+        """A program compiled in the background is dispatchable from the next step on (its key:
+        (program family, dims), JSON-able; specjax.background_compile)."""
+        with self._lock:
+            self._log.append(["compiled", key])
+
     def send(self, then: str, error: str | None = None) -> None:
         """Send the logged commands, then `then`: "step" (the followers step once), "end" (the end of
         an LLM.generate call; `error`: why it failed) or "stop" (followers leave LLM.follow; returns
@@ -217,6 +226,7 @@ class Follower:
     def __init__(self, channel: Channel, engine, make_request: Callable[[dict], object]):
         self.channel, self.engine, self.make_request = channel, engine, make_request
         engine.steps_cap.adaptive = False  # process 0 adapts its steps per dispatch and sends the changes
+        engine.compiles_from_leader = True  # and says when a program compiled in the background is taken
         self.stopped = False
 
     def replay(self) -> Iterator[Replayed]:
@@ -235,6 +245,8 @@ class Follower:
                     self.engine.cancel(cmd[1])
                 elif cmd[0] == "steps":
                     self.engine.steps_cap.set(cmd[1])
+                elif cmd[0] == "compiled":
+                    self.engine.mark_compiled(cmd[1])
                 else:
                     raise RuntimeError(f"unknown command from process 0: {cmd[0]!r}")
             then = msg["then"]

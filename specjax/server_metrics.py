@@ -46,6 +46,11 @@ def _compiles(out: list[str], e: dict) -> None:
             "XLA compilations on the engine thread (every request waits for each).", [({}, e["engine_thread_compiles"])])
     _family(out, "specjax_engine_thread_compile_seconds_total", "counter", "Seconds of those compilations.",
             [({}, f"{e['engine_thread_compile_s']:.6f}")])
+    _family(out, "specjax_background_compilations_total", "counter",
+            "Programs compiled on the engine's worker thread (adaptive steps per dispatch).",
+            [({}, e["background_compiles"])])
+    _family(out, "specjax_background_compile_seconds_total", "counter", "Seconds of those compilations.",
+            [({}, f"{e['background_compile_s']:.6f}")])
 
 
 def render_metrics(llm, state) -> str:

@@ -44,14 +44,28 @@ class ShapeReuse:
         """dims (each >= 1), or the smallest already-used shape of `key` that covers them within
         slack x their size, or x need when that is larger (and <= limit, when given)."""
         dims = tuple(int(d) for d in dims)
+        found = self.find(key, dims, limit, need)
+        if found is None:
+            self.add(key, dims)
+            return dims
+        if found != dims:
+            self.reused += 1
+        return found
+
+    def find(self, key: Hashable, dims: tuple[int, ...], limit: int | None = None,
+             need: int | None = None) -> tuple[int, ...] | None:
+        """What pick would return from the shapes already used (dims itself if used), without
+        remembering anything; None: pick would add dims (a program not compiled yet)."""
+        dims = tuple(int(d) for d in dims)
+        seen = self.used.get(key, ())
+        if dims in seen:
+            return dims
         size = max(math.prod(dims), need or 0)
-        seen = self.used.setdefault(key, set())
-        if dims not in seen:
-            cap = self.slack * size if limit is None else min(self.slack * size, limit)
-            fits = [s for s in seen if len(s) == len(dims) and all(a >= b for a, b in zip(s, dims))
-                    and math.prod(s) <= cap]
-            if fits:
-                self.reused += 1
-                return min(fits, key=lambda s: (math.prod(s), s))
-            seen.add(dims)
-        return dims
+        cap = self.slack * size if limit is None else min(self.slack * size, limit)
+        fits = [s for s in seen if len(s) == len(dims) and all(a >= b for a, b in zip(s, dims))
+                and math.prod(s) <= cap]
+        return min(fits, key=lambda s: (math.prod(s), s)) if fits else None
+
+    def add(self, key: Hashable, dims: tuple[int, ...]) -> None:
+        """Remember dims as used (e.g. a program compiled ahead of its first dispatch)."""
+        self.used.setdefault(key, set()).add(tuple(int(d) for d in dims))

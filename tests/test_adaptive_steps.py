@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import IdTokenizer, tiny_config, tiny_model
+from specjax.background_compile import BackgroundCompiles
 from specjax.dispatch_plan import StepsCap
 from specjax.drafter import DraftInfo
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
@@ -54,6 +55,27 @@ class Cycling(StepsCap):
         return self.set(next(self._levels))
 
 
+class CompileAtOnce(BackgroundCompiles):
+    """Finishes each request before returning (the next step takes it): a deterministic grouping."""
+    def request(self, key, program, args, kwargs):
+        out = super().request(key, program, args, kwargs)
+        self.wait()
+        return out
+
+
+class Recording:
+    """A program that records the K of each call; otherwise the program (lowered by the worker)."""
+    def __init__(self, program, used):
+        self.program, self.used = program, used
+
+    def __call__(self, *args, **kwargs):
+        self.used.append(kwargs["num_steps"])
+        return self.program(*args, **kwargs)
+
+    def __getattr__(self, name):  # lower (the worker), _cache_size (Engine.num_compiled)
+        return getattr(self.program, name)
+
+
 @pytest.fixture(scope="module")
 def setup():
     cfg = tiny_config()
@@ -64,36 +86,39 @@ def setup():
     return cfg, target, tiny_model(dcfg, seed=5), dcfg, prompts
 
 
-def _run(setup, spec: bool, params, cycling: bool):
+def _run(setup, spec: bool, params, cycling: bool, runs: int = 1):
+    """The prompts' outputs in each of `runs` runs on one engine, and the K of each dispatch."""
     cfg, target, dmodel, dcfg, prompts = setup
     draft = (Draft(dmodel, dcfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=3, topk=2,
                                                                   num_draft_tokens=6)) if spec else None)
     eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ),
                  BatchOptions(max_batch=3, adaptive_steps=cycling), jnp.float32, draft=draft)
     if cycling:
-        eng.steps_cap = Cycling()
+        eng.steps_cap, eng.background = Cycling(), CompileAtOnce()
     used = []
     if spec:
-        step = eng.spec_steps.step
-        eng.spec_steps = eng.spec_steps._replace(step=lambda *a, **kw: (used.append(kw["num_steps"]), step(*a, **kw))[1])
+        eng.spec_steps = eng.spec_steps._replace(step=Recording(eng.spec_steps.step, used))
     else:
-        many = eng.steps.decode_many
-        eng.steps = eng.steps._replace(
-            decode_many=lambda *a, **kw: (used.append(kw["num_steps"]), many(*a, **kw))[1])
-    reqs = [Request(i, None, p, params, IdTokenizer(), (EOS,), MAX_SEQ, 11 + i) for i, p in enumerate(prompts)]
-    eng.run(reqs)
-    assert all(s is None for s in eng.slots)
-    assert eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1  # no page leaked
-    return [r.token_ids for r in reqs], used
+        eng.steps = eng.steps._replace(decode_many=Recording(eng.steps.decode_many, used))
+    outs = []
+    for _ in range(runs):
+        reqs = [Request(i, None, p, params, IdTokenizer(), (EOS,), MAX_SEQ, 11 + i) for i, p in enumerate(prompts)]
+        eng.run(reqs)
+        assert all(s is None for s in eng.slots)
+        assert eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1  # no page leaked
+        outs.append([r.token_ids for r in reqs])
+    return outs, used
 
 
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "spec"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 def test_outputs_equal_a_fixed_k_whatever_the_grouping(setup, spec, temperature):
     params = SamplingParams(max_tokens=30, temperature=temperature, top_p=0.9 if temperature else 1.0)
-    fixed, used_fixed = _run(setup, spec, params, cycling=False)
-    cycled, used = _run(setup, spec, params, cycling=True)
-    assert cycled == fixed
+    (fixed,), used_fixed = _run(setup, spec, params, cycling=False)
+    # run 1: each new level falls back to a compiled one while its program compiles (here at once,
+    # taken from the next step on); run 2: the levels' programs are compiled
+    cycled, used = _run(setup, spec, params, cycling=True, runs=2)
+    assert cycled == [fixed, fixed]
     hi = 4 if spec else 8
     assert max(used_fixed) == hi and {hi // 2, hi // 4} <= set(used)  # the cycling run grouped otherwise
 

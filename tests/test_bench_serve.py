@@ -40,10 +40,10 @@ def test_compiles_from_metrics():
     """bench_serve's compilations during a run: /metrics deltas; none from a server without the series."""
     from bench_serve import compiled_text, compiles
     m0 = {"specjax_compiled_programs": 12, "specjax_engine_thread_compilations_total": 30,
-          "specjax_engine_thread_compile_seconds_total": 50.0}
+          "specjax_engine_thread_compile_seconds_total": 50.0, "specjax_background_compilations_total": 1}
     m1 = {"specjax_compiled_programs": 15, "specjax_engine_thread_compilations_total": 32,
-          "specjax_engine_thread_compile_seconds_total": 54.5}
+          "specjax_engine_thread_compile_seconds_total": 54.5, "specjax_background_compilations_total": 2}
     c = compiles(m0, m1)
-    assert c == dict(programs_compiled=3, engine_thread_compiles=2, engine_thread_compile_s=4.5)
-    assert compiled_text(c) == "3 programs (engine thread: 2 XLA, 4.5 s)"
+    assert c == dict(programs_compiled=3, engine_thread_compiles=2, engine_thread_compile_s=4.5, background_compiles=1)
+    assert compiled_text(c) == "3 programs (engine thread: 2 XLA, 4.5 s; background 1)"
     assert compiles({}, {"specjax_engine_steps_total": 5}) == {}

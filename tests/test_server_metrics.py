@@ -87,6 +87,7 @@ def test_shared_pages_count_once_and_prefix_counters_are_the_engines(world):
     assert m["specjax_compiled_programs"] == st["compiled_programs"] == eng.num_compiled() >= 2  # prefill, decode
     assert m["specjax_engine_thread_compilations_total"] == st["engine_thread_compiles"]
     assert m["specjax_engine_thread_compile_seconds_total"] == pytest.approx(st["engine_thread_compile_s"], abs=1e-5)
+    assert m["specjax_background_compilations_total"] == st["background_compiles"] == 0  # fixed steps per dispatch
 
 
 def test_prefix_cache_off_exports_no_prefix_figures(world):
