@@ -24,14 +24,14 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-DUMP = tempfile.mkdtemp(prefix="specjax_hlo_")
-if "--no-dump" not in sys.argv:
+DUMP = None
+if __name__ == "__main__" and "--no-dump" not in sys.argv:  # before jax starts; not when imported (tests)
+    DUMP = tempfile.mkdtemp(prefix="specjax_hlo_")
     # command buffers (CUDA graphs) off: a graph's kernels are reported under the graph's one HLO
     # instruction, so no kernel could be mapped to its scope; kernel durations are the same
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text"
                                + ("" if "--keep-command-buffers" in sys.argv else
                                   " --xla_gpu_enable_command_buffer=")).strip()
-
     # the persistent compilation cache off: an executable loaded from it is not compiled, so XLA
     # dumps no HLO for it and its kernels could not be mapped to scopes
     os.environ.setdefault("SPECJAX_COMPILE_CACHE", "off")
@@ -108,7 +108,8 @@ def run(llm, batch, max_tokens, temperature, depth, module_re, top, smap_cache):
     steps = {k: after.get(k, 0) - before.get(k, 0) for k in after if k.endswith("_dispatch_steps")}
     nsteps = sum(steps.values())
     evs, on_device = kernel_events(tdir)
-    smap_cache.update(scope_map(DUMP))
+    if DUMP:
+        smap_cache.update(scope_map(DUMP))
     mre = re.compile(module_re)
     by_scope = defaultdict(lambda: [0, 0.0])
     by_module = defaultdict(lambda: [0, 0.0])
