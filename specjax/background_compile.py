@@ -3,7 +3,7 @@ never waits for them.
 
 Used for adaptive steps per dispatch (dispatch_plan.StepsCap): a lower or higher cap runs other
 programs (num_steps is static) that may not be compiled yet for the batch's rows; compiling one on
-the engine thread stalls every request for seconds (H200: ~2-3 s per program). Instead the engine
+the engine thread stalls every request for seconds (H200: 4-7 s per program, measured). Instead the engine
 keeps dispatching programs it has, asks for the wanted one here, and switches once it is ready:
 
     engine thread                                      worker thread ("specjax-compile")
