@@ -130,7 +130,8 @@ def run(llm, batch, max_tokens, temperature, depth, module_re, top, smap_cache):
     total_n = sum(v[0] for v in by_scope.values())
     total_t = sum(v[1] for v in by_scope.values())
     per = max(nsteps, 1)
-    print(f"\n== batch {batch}, temperature {temperature}: {nsteps} decode steps ({steps}); device events: {'GPU kernels' if on_device else 'CPU ops'}",
+    events = "GPU kernels" if on_device else "CPU ops"
+    print(f"\n== batch {batch}, temperature {temperature}: {nsteps} decode steps ({steps}); device events: {events}",
           flush=True)
     print("modules (events, ms):", {m: (n, round(t / 1e6, 2)) for m, (n, t) in
                                     sorted(by_module.items(), key=lambda kv: -kv[1][1])[:8]})
@@ -172,7 +173,8 @@ def main(argv=None) -> int:
     else:
         draft = a.draft
     if a.num_steps:
-        kw["spec"] = SpecConfig(num_steps=a.num_steps, topk=a.topk or 1, num_draft_tokens=a.num_draft_tokens or a.num_steps)
+        kw["spec"] = SpecConfig(num_steps=a.num_steps, topk=a.topk or 1,
+                                num_draft_tokens=a.num_draft_tokens or a.num_steps)
     llm = LLM(a.model, dtype=a.dtype, max_batch=max(batches), max_seq_len=2048, draft=draft, **kw)
     smap, rows = {}, []
     for b in batches:

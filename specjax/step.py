@@ -602,7 +602,8 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
     pt, ps = state.cache.page_table[rs], state.cache.page_size
     nxt, probs, dkv = _grow(info, spec, draft, target, new.draft_kv, pt, ps, active.astype(jnp.int32), acc.bonus, L2,
                             state.draft_seq_lens[rs] + n, h_last, lg_last, samp,
-                            (stochastic if state.draft_probs is not None else False), _draft_rows(info, new.penalties, rs), forced,
+                            (stochastic if state.draft_probs is not None else False),  # UNFILTERED kept
+                            _draft_rows(info, new.penalties, rs), forced,
                             _draft_dfa(info, state, rs, acc.dfa_state))
     return _store(new, upd, nxt, probs, dkv, new.draft_seq_lens, new.cache)
 
