@@ -246,7 +246,7 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
     max(64, page_size) (other values are an error); interpret: run in the Mosaic GPU interpreter
     on CPU (slow; for tests). block_in_kernel: a block mask (tree verify, draft growth) is applied
     inside the kernel, which reads the block entries from their pages like the prefix (False: the
-    shared dense block_partial + combine in XLA, ~10 more small kernels per call)."""
+    shared dense block_partial + combine in XLA: SmolLM2's fused step ran 754 instead of 620 kernels)."""
     why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
     if why is not None:
         raise ValueError(f"paged_attention_mosaic: {why}")

@@ -87,3 +87,17 @@ def chi2_pvalue(counts, probs):
     k = int(keep.sum()) - 1
     z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
     return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+class Recording:
+    """An engine program (adaptive steps tests) that records the K of each call; otherwise the
+    program (lowered by the background worker)."""
+    def __init__(self, program, used):
+        self.program, self.used = program, used
+
+    def __call__(self, *args, **kwargs):
+        self.used.append(kwargs["num_steps"])
+        return self.program(*args, **kwargs)
+
+    def __getattr__(self, name):  # lower (the worker), _cache_size (Engine.num_compiled)
+        return getattr(self.program, name)

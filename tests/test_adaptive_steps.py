@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import IdTokenizer, tiny_config, tiny_model
+from helpers import IdTokenizer, Recording, tiny_config, tiny_model
 from specjax.background_compile import BackgroundCompiles
 from specjax.dispatch_plan import StepsCap
 from specjax.drafter import DraftInfo
@@ -61,19 +61,6 @@ class CompileAtOnce(BackgroundCompiles):
         out = super().request(key, program, args, kwargs)
         self.wait()
         return out
-
-
-class Recording:
-    """A program that records the K of each call; otherwise the program (lowered by the worker)."""
-    def __init__(self, program, used):
-        self.program, self.used = program, used
-
-    def __call__(self, *args, **kwargs):
-        self.used.append(kwargs["num_steps"])
-        return self.program(*args, **kwargs)
-
-    def __getattr__(self, name):  # lower (the worker), _cache_size (Engine.num_compiled)
-        return getattr(self.program, name)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import IdTokenizer, tiny_config, tiny_model
+from helpers import IdTokenizer, Recording, tiny_config, tiny_model
 from specjax import compile_watch, multihost
 from specjax.background_compile import BackgroundCompiles
 from specjax.dispatch_plan import StepsCap, plan
@@ -36,19 +36,6 @@ class Held(BackgroundCompiles):
     def _run(self):
         self.gate.wait()
         super()._run()
-
-
-class Recording:
-    """A program that records the K of each call; otherwise the program (lowered by the worker)."""
-    def __init__(self, program, used):
-        self.program, self.used = program, used
-
-    def __call__(self, *args, **kwargs):
-        self.used.append(kwargs["num_steps"])
-        return self.program(*args, **kwargs)
-
-    def __getattr__(self, name):  # lower (the worker), _cache_size (Engine.num_compiled)
-        return getattr(self.program, name)
 
 
 def test_plan_takes_the_nearest_compiled_level():
