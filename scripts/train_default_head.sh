@@ -37,7 +37,9 @@ OUT=${OUT:-checkpoints/eagle3-smollm2-135m}
 GSM8K=${GSM8K:-data/train/gsm8k_train.jsonl}
 SELF_INSTRUCT=${SELF_INSTRUCT:-30000}
 PASSAGES=${PASSAGES:-30000}
-SCHEMAS=${SCHEMAS:-4000}  # prompts with random JSON schemas, answered under the schema (specjax.train.schemas)
+SCHEMAS=${SCHEMAS:-0}  # prompts with random JSON schemas, answered under the schema (specjax.train.schemas); off by
+# default: each schema's token DFA costs 0.1-1.4 s of host time when its request is admitted (SmolLM2 vocabulary),
+# ~460 schemas per 8 192-prompt chunk kept the GPU idle for minutes (H200, 2026-11-26)
 DATA_BUDGET=${DATA_BUDGET:-540}
 MAX_BATCH=${MAX_BATCH:-512}
 MAX_TOKENS=${MAX_TOKENS:-512}
