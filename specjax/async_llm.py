@@ -7,7 +7,8 @@ Data flow:
   asyncio loop (callers, the HTTP server)          engine thread (the only one touching the Engine)
   add_request(prompt, params)
     LLM._request: tokenize + validate   -- bad: RequestError (nothing reaches the engine)
-    constraint: BoundedGrammarCompiler (child process, time limit) -> req.grammar
+    constraint: BoundedGrammarCompiler (child process, time limit) -> req.grammar, then the device DFA
+                (Engine.prepare_dfa, a worker thread)
     inbox <- ("add", req, stream)  ---------------->  engine.add_request(req)
                                                       loop: engine.step() -> [StepUpdate]
     RequestStream (asyncio.Queue)  <-- call_soon_threadsafe(RequestDelta: text, tokens, logprobs)
@@ -205,6 +206,7 @@ class AsyncLLM:
                 req.grammar = RequestGrammar(compiled, list(req.eos_ids) or None, token_table=table)
             except (GrammarError, ValueError) as e:
                 raise RequestError(str(e)) from None
+            await asyncio.to_thread(self.engine.prepare_dfa, req)  # the device DFA, off the engine thread  # the device DFA, off the engine thread
         stream = RequestStream(req, asyncio.get_running_loop(), self._inbox)
         stream.stamps.update(received=received, queued=time.perf_counter())
         self._inbox.put(("add", req, stream))
