@@ -381,14 +381,27 @@ def test_two_devices_train_as_one(pipeline, tmp_path):
 
 def test_init_head_continues_from_exported_weights(pipeline, tmp_path):
     """--init-head: training starts from an exported head's weights and draft vocabulary (with a zero
-    learning rate the export equals the head it started from; its first loss is the trained one)."""
-    from specjax.checkpoint import load_config, load_draft_flat
+    learning rate the export equals the head it started from; its first loss is the trained one) and
+    keeps that head's tuned tree settings (spec_defaults), marked as carried over."""
+    import shutil
+    from specjax.checkpoint import head_spec_defaults, load_config, load_draft_flat, read_meta
     root, model, _, tcfg, _, _ = pipeline
+    init = tmp_path / "init"
+    shutil.copytree(root / "head", init)
+    meta = read_meta(init)
+    assert "spec_defaults" not in meta  # a fresh export carries none
+    tuned = {"1": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}, "8": "plain"}
+    (init / "specjax.json").write_text(json.dumps(dict(meta, spec_defaults=tuned,
+                                                      spec_defaults_measured={"device": "some GPU"})))
     cont = dataclasses.replace(tcfg, work_dir=str(tmp_path / "w"), export_dir=str(tmp_path / "head"), steps=5,
-                               lr=0.0, init_head=str(root / "head"))
+                               lr=0.0, init_head=str(init))
     train(cont)
+    out = read_meta(tmp_path / "head")
+    assert out["spec_defaults"] == tuned and out["spec_defaults_measured"]["device"] == "some GPU"
+    assert str(init) in out["spec_defaults_measured"]["carried_over_from"]
+    assert head_spec_defaults(tmp_path / "head", 1)[0] == tuned["1"]
     cfg = load_config(model)
-    before, _, _ = load_draft_flat(root / "head", cfg, "float32")
+    before, _, _ = load_draft_flat(init, cfg, "float32")
     after, _, _ = load_draft_flat(tmp_path / "head", cfg, "float32")
     assert sorted(before) == sorted(after)
     for k in before:

@@ -315,7 +315,7 @@ def train(cfg: TrainConfig) -> dict:
     _log(f"{step} steps in {train_s:.1f}s ({(step - (start or 0)) / max(train_s, 1e-9):.2f} steps/s); "
          f"final {summary['final']}")
     if cfg.export_dir:
-        export(params, d2t, hf, cfg.export_dir, cfg.export_dtype, summary, work)
+        export(params, d2t, hf, cfg.export_dir, cfg.export_dtype, summary, work, init_head=cfg.init_head)
     return summary
 
 
@@ -373,12 +373,23 @@ def _bar(cfg: TrainConfig, initial: int):
     return tqdm(total=cfg.steps, initial=initial, desc="train", unit="step", file=sys.stderr)
 
 
-def export(params, d2t, hf: dict, out_dir: str | Path, dtype: str, summary: dict, work: Path | None = None) -> Path:
-    """Write the head as a specjax draft directory (checkpoint.save_draft_dir) + TRAINING.md."""
-    from specjax.checkpoint import save_draft_dir
+def export(params, d2t, hf: dict, out_dir: str | Path, dtype: str, summary: dict, work: Path | None = None,
+           init_head: str | None = None) -> Path:
+    """Write the head as a specjax draft directory (checkpoint.save_draft_dir) + TRAINING.md. A head
+    continued from init_head keeps that head's tuned tree settings (specjax.json "spec_defaults",
+    measured by scripts/tree_grid.py), marked as carried over, rather than falling back to a chain."""
+    from specjax.checkpoint import MARKER, read_meta, save_draft_dir
     flat = {k: np.asarray(jax.device_get(v), np.float32) for k, v in params.items()}
     flat["d2t"] = np.asarray(d2t, np.int32)
     out = save_draft_dir(out_dir, flat, hf, dtype, source="specjax.train (EAGLE-3, training-time test)")
+    prev = read_meta(init_head) if init_head else {}
+    if "spec_defaults" in prev:
+        meta = read_meta(out)
+        meta["spec_defaults"] = prev["spec_defaults"]
+        measured = dict(prev.get("spec_defaults_measured") or {})
+        measured["carried_over_from"] = f"{init_head} (measured with that head, not this one)"
+        meta["spec_defaults_measured"] = measured
+        (out / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
     if work is not None and (work / "curves.png").is_file():
         shutil.copy(work / "curves.png", out / "curves.png")
     (out / "TRAINING.md").write_text(training_md(summary, dtype))
