@@ -4,7 +4,8 @@
         print(delta.text, end="")
 
 Data flow:
-  asyncio loop (callers, the HTTP server)          engine thread (the only one touching the Engine)
+  asyncio loop (callers, the HTTP server)          engine thread (the only one touching the Engine's
+                                                   state; prepare_dfa only fills its DFA cache)
   add_request(prompt, params)
     LLM._request: tokenize + validate   -- bad: RequestError (nothing reaches the engine)
     constraint: BoundedGrammarCompiler (child process, time limit) -> req.grammar, then the device DFA
@@ -206,7 +207,7 @@ class AsyncLLM:
                 req.grammar = RequestGrammar(compiled, list(req.eos_ids) or None, token_table=table)
             except (GrammarError, ValueError) as e:
                 raise RequestError(str(e)) from None
-            await asyncio.to_thread(self.engine.prepare_dfa, req)  # the device DFA, off the engine thread  # the device DFA, off the engine thread
+            await asyncio.to_thread(self.engine.prepare_dfa, req)  # the device DFA, off the engine thread
         stream = RequestStream(req, asyncio.get_running_loop(), self._inbox)
         stream.stamps.update(received=received, queued=time.perf_counter())
         self._inbox.put(("add", req, stream))

@@ -91,7 +91,7 @@ class DFASteps:
             info = self._grammar.tokenizer_info if why is None else req.grammar.tokenizer_info
             eos = tuple(req.eos_ids) or tuple(int(t) for t in info.stop_token_ids)
             dfa, why = self._router().route(req.params.constraint, info, eos, self.opts.dfa_max_states,
-                                              self.opts.dfa_max_classes)
+                                            self.opts.dfa_max_classes)
             if dfa is not None:  # a matcher the caller attached (AsyncLLM's bounded compiler) is dropped
                 req.dfa, req.grammar, req.constraint_path = dfa, None, "device_dfa"
                 req.stop_ids = req.stop_ids | set(dfa.eos_ids)  # the DFA's end, as the grammar's ends the host path
