@@ -59,6 +59,12 @@ class DFASteps:
                 self._dfa_router = DFARouter(self.cfg.vocab_size)
             return self._dfa_router
 
+    def _route(self, req: Request, info):
+        """(DeviceDFA, None) or (None, why) for the request's constraint over vocabulary info (cached)."""
+        eos = tuple(req.eos_ids) or tuple(int(t) for t in info.stop_token_ids)
+        return self._router().route(req.params.constraint, info, eos, self.opts.dfa_max_states,
+                                    self.opts.dfa_max_classes)
+
     def prepare_dfa(self, req: Request) -> None:
         """Build the device DFA of a request's constraint now, in the caller's thread, so that
         add_request on the engine thread finds it in the router's cache: the lift of a JSON schema to
@@ -71,10 +77,8 @@ class DFASteps:
         c = req.params.constraint
         if not (self.opts.device_dfa and c is not None and c[0] in DFA_KINDS and req.grammar is not None):
             return
-        info = req.grammar.tokenizer_info
-        eos = tuple(req.eos_ids) or tuple(int(t) for t in info.stop_token_ids)
         try:
-            self._router().route(c, info, eos, self.opts.dfa_max_states, self.opts.dfa_max_classes)
+            self._route(req, req.grammar.tokenizer_info)
         except Exception as e:  # noqa: BLE001 - add_request routes again and reports it
             log.debug("request %s: device DFA not prepared: %s: %s", req.id, type(e).__name__, e)
 
@@ -88,10 +92,7 @@ class DFASteps:
             if why is not None and req.grammar is None:
                 return why
             # the vocabulary: the engine's compiler's, or that of the matcher the caller attached
-            info = self._grammar.tokenizer_info if why is None else req.grammar.tokenizer_info
-            eos = tuple(req.eos_ids) or tuple(int(t) for t in info.stop_token_ids)
-            dfa, why = self._router().route(req.params.constraint, info, eos, self.opts.dfa_max_states,
-                                            self.opts.dfa_max_classes)
+            dfa, why = self._route(req, self._grammar.tokenizer_info if why is None else req.grammar.tokenizer_info)
             if dfa is not None:  # a matcher the caller attached (AsyncLLM's bounded compiler) is dropped
                 req.dfa, req.grammar, req.constraint_path = dfa, None, "device_dfa"
                 req.stop_ids = req.stop_ids | set(dfa.eos_ids)  # the DFA's end, as the grammar's ends the host path
