@@ -70,6 +70,13 @@ def scope_of(op_name: str, depth: int) -> str:
     return re.sub(r"layers?_?\d+", "layer*", "/".join(scopes[:depth])) or "(top)"
 
 
+def op_of(op_name: str) -> str:
+    """The whole filtered op_name (scopes and the primitive), layer numbers folded: one row per
+    instruction kind of the step (`--ops`)."""
+    parts = [p for p in op_name.split("/") if not _NOISE.match(p)]
+    return re.sub(r"layers?_?\d+", "layer*", "/".join(parts)) or "(top)"
+
+
 def kernel_events(trace_dir: str):
     from jax.profiler import ProfileData
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
@@ -92,7 +99,7 @@ def kernel_events(trace_dir: str):
     return [e[1:] for e in evs if e[0] == device], device
 
 
-def run(llm, batch, max_tokens, temperature, depth, module_re, top, smap_cache):
+def run(llm, batch, max_tokens, temperature, depth, module_re, top, smap_cache, ops=0):
     prompts = [llm.apply_chat_template([{"role": "user", "content": f"Write a long story about a {t}."}])
                for t in (["lighthouse", "river", "clock", "garden", "train", "mountain", "violin", "desert"]
                          * (batch // 8 + 1))[:batch]]
@@ -113,6 +120,7 @@ def run(llm, batch, max_tokens, temperature, depth, module_re, top, smap_cache):
     mre = re.compile(module_re)
     by_scope = defaultdict(lambda: [0, 0.0])
     by_module = defaultdict(lambda: [0, 0.0])
+    by_op = defaultdict(lambda: [0, 0.0])
     unmapped = 0
     for name, dur, mod, op in evs:
         by_module[mod][0] += 1
@@ -125,6 +133,9 @@ def run(llm, batch, max_tokens, temperature, depth, module_re, top, smap_cache):
             sc = f"(unmapped) {op.split('.')[0]}"
         else:
             sc = scope_of(opn, depth)
+            key = (op_of(opn), name.split(".")[0][:40])
+            by_op[key][0] += 1
+            by_op[key][1] += dur
         by_scope[sc][0] += 1
         by_scope[sc][1] += dur
     total_n = sum(v[0] for v in by_scope.values())
@@ -141,8 +152,14 @@ def run(llm, batch, max_tokens, temperature, depth, module_re, top, smap_cache):
     print(f"| scope | kernels / step | us / step | share |\n|---|---|---|---|")
     for sc, (n, t) in rows[:top]:
         print(f"| {sc} | {n / per:.1f} | {t / 1e3 / per:.1f} | {100 * t / max(total_t, 1):.1f} % |")
+    op_rows = sorted(by_op.items(), key=lambda kv: -kv[1][1])
+    if ops:
+        print(f"| op (scopes/primitive) | kernel | kernels / step | us / step |\n|---|---|---|---|")
+        for (op, kname), (n, t) in op_rows[:ops]:
+            print(f"| {op} | {kname} | {n / per:.2f} | {t / 1e3 / per:.2f} |")
     return dict(batch=batch, steps=nsteps, kernels_per_step=total_n / per, us_per_step=total_t / 1e3 / per,
-                scopes={sc: dict(kernels=n / per, us=t / 1e3 / per) for sc, (n, t) in rows})
+                scopes={sc: dict(kernels=n / per, us=t / 1e3 / per) for sc, (n, t) in rows},
+                ops=[dict(op=op, kernel=kname, kernels=n / per, us=t / 1e3 / per) for (op, kname), (n, t) in op_rows])
 
 
 def main(argv=None) -> int:
@@ -158,6 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--ops", type=int, default=0, help="also print the N costliest instructions (op_name, kernel)")
     p.add_argument("--module-re", default=r"^(?!.*prefill)")
     p.add_argument("--json")
     p.add_argument("--no-dump", action="store_true", help="(read before jax starts) leave XLA_FLAGS alone")
@@ -173,12 +191,13 @@ def main(argv=None) -> int:
     else:
         draft = a.draft
     if a.num_steps:
-        kw["spec"] = SpecConfig(num_steps=a.num_steps, topk=a.topk or 1,
+        from specjax.llm import draft_method
+        kw["spec"] = SpecConfig(method=draft_method(draft), num_steps=a.num_steps, topk=a.topk or 1,
                                 num_draft_tokens=a.num_draft_tokens or a.num_steps)
     llm = LLM(a.model, dtype=a.dtype, max_batch=max(batches), max_seq_len=2048, draft=draft, **kw)
     smap, rows = {}, []
     for b in batches:
-        rows.append(run(llm, b, a.max_tokens, a.temperature, a.depth, a.module_re, a.top, smap))
+        rows.append(run(llm, b, a.max_tokens, a.temperature, a.depth, a.module_re, a.top, smap, a.ops))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

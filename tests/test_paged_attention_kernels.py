@@ -73,6 +73,7 @@ def test_combine_is_exact_softmax_over_partials():
     s = rng.normal(size=(B, K, R, S * 7))
     v = rng.normal(size=(B, K, S * 7, D))
     s[0, 0, 1] = -np.inf  # a row that sees nothing
+    s[1, 1, 2, 7:14] = -np.inf  # a split that sees nothing of a row that sees other keys
     parts = []
     for i in range(S):
         si, vi = s[..., i * 7:(i + 1) * 7], v[:, :, i * 7:(i + 1) * 7]

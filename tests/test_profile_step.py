@@ -38,3 +38,10 @@ def test_scope_map_and_scope_of(tmp_path):
     assert mod.scope_of(smap[("jit_fused", "fusion.12")], 6) == "verify/layer*/attn"
     assert mod.scope_of(smap[("jit_fused", "gemm_fusion_dot.7")], 6) == "draft/mlp/bte,ef->btf"
     assert mod.scope_of(smap[("jit_fused", "fusion.12")], 1) == "verify"
+
+
+def test_op_of_keeps_the_primitive_and_folds_layers():
+    mod = _module()
+    smap_op = "jit(fused)/jit(main)/while/body/eval_jaxpr/verify/layer_3/attn/add"
+    assert mod.op_of(smap_op) == "verify/layer*/attn/add"
+    assert mod.op_of("jit(fused)/draft/mlp/bte,ef->btf/dot_general") == "draft/mlp/bte,ef->btf/dot_general"
