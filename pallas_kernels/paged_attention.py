@@ -47,7 +47,6 @@ an H200: 754 -> 620 kernels, docs/benchmarks.md).
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 
 import jax
