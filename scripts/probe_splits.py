@@ -14,7 +14,10 @@ several contexts.
 
 Measured on an H200 (docs/benchmarks.md, 2026-11-26 evening), SmolLM2 verify, us per call: context 300:
 8 splits 12.6, 32 splits 16.7 (unrolled combine); context 4000: 8 splits 32.3, 32 splits 19.1 (reduction
-combine), so fewer splits cannot be the default while the split count is fixed at compile time. Compiling
+combine), so fewer splits cannot be the default while the split count is fixed at compile time. (At
+context 300 / 32 splits this chain gave the reduction combine 15.9 us against 16.7 unrolled, where the
+profiled model step got faster with the unrolled one: the chain's query update fuses with the combine
+differently than the model does, so compare combines with scripts/profile_step.py.) Compiling
 a 30-layer chain for four split counts took over 5 minutes per context: hence --layers 10.
 """
 from __future__ import annotations
