@@ -98,6 +98,11 @@ class BatchOptions:
     min_accept: float | None = None  # speculative engine: lite steps while the rows' measured tokens per
     #                                  fused step are below this (specjax.adaptive); None: off
     probe_every: int = 8  # gated by min_accept: one fused dispatch after this many lite ones
+    fused_min_rows: int = 2  # fused speculative dispatches pad their rows to at least this many (1 or 2):
+    #                          2 keeps a batch of one request's draft matmuls at M >= 2 like plain decoding
+    #                          (an M = 1 dot became a weight-sized multiply + reduce there); 1 runs it
+    #                          without the padding row (the 8B verify forward over 17 tokens: 5.49 ms for
+    #                          one row, 6.06 ms for two; not yet measured end to end, so not the default)
 
     def __post_init__(self):
         for name in ("prefill_chunk", "steps_per_call", "spec_steps_per_call"):
@@ -106,6 +111,8 @@ class BatchOptions:
         check_speculate_below(self.speculate_below)
         check_min_accept(self.min_accept)
         check_probe_every(self.probe_every)
+        if self.fused_min_rows not in (1, 2) or isinstance(self.fused_min_rows, bool):
+            raise ValueError(f"fused_min_rows must be 1 or 2, got {self.fused_min_rows!r}")
 
 
 def check_speculate_below(value) -> None:
@@ -616,19 +623,20 @@ class Engine(GrammarSteps, DFASteps):
         b = self.batch_opts
         gated = (self.draft is not None and not grammar and not dispatch_plan.runs_lite(len(rows), b.speculate_below)
                  and self.gate.lite([r for _, r in rows], b.min_accept, b.probe_every))
-        rows_b = (self.sched.rows_bucket(len(rows)),)
+        def rows_b(kind):  # the rows' bucket for a program of this kind
+            return (self.sched.rows_bucket(len(rows), self._min_rows(kind)),)
 
         def ready(kind, K):  # a program of K steps compiled for these rows (adapted caps wait for it)
-            return self.shapes.find(self._decode_key(kind, K, flags), rows_b) is not None
+            return self.shapes.find(self._decode_key(kind, K, flags), rows_b(kind)) is not None
 
         p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated,
                                caps=self.steps_cap.chain(b), ready=ready)
         if p.wanted is not None:  # the adapted K's program is compiled off the engine thread meanwhile
             self._compile_later(p.kind, p.wanted, rows, flags)
         if grammar:
-            slots, active = self.sched.row_slots(rows)
+            slots, active = self.sched.row_slots(rows, min_rows=self._min_rows(p.kind))
         else:  # the bucket, or a larger batch already dispatched by the same program family
-            n, = self.shapes.pick(self._decode_key(p.kind, p.num_steps, flags), rows_b)
+            n, = self.shapes.pick(self._decode_key(p.kind, p.num_steps, flags), rows_b(p.kind))
             slots, active = self.sched.row_slots(rows, num_rows=n)
         mask, drafts = self._step_grammar(rows, len(slots)) if grammar else (None, None)
         self._push_page_table()  # pages the plan took for K steps
@@ -641,6 +649,11 @@ class Engine(GrammarSteps, DFASteps):
         entry.after_lite = p.kind == "spec" and self._last_kind == "lite"
         self._last_kind = p.kind
         return entry
+
+    def _min_rows(self, kind: str) -> int:
+        """The fewest rows a decode dispatch of this kind pads to (BatchOptions.fused_min_rows for fused
+        speculative steps; 2 otherwise: an M = 1 matmul is slow on the GPU, see BatchOptions)."""
+        return self.batch_opts.fused_min_rows if kind == "spec" else 2
 
     @staticmethod
     def _decode_key(kind: str, K: int, flags: dict) -> tuple:
@@ -659,7 +672,7 @@ class Engine(GrammarSteps, DFASteps):
 
     def _compile_later(self, kind, K, rows, flags) -> None:
         """Compile the program of K steps for these rows' bucket on the worker thread (once)."""
-        n = self.sched.rows_bucket(len(rows))
+        n = self.sched.rows_bucket(len(rows), self._min_rows(kind))
         key = (self._decode_key(kind, K, flags), (n,))
         if key not in self.background.requested:
             slots, active = self.sched.row_slots(rows, num_rows=n)

@@ -71,6 +71,30 @@ def other_cfg():
     return tiny_config(num_hidden_layers=1)
 
 
+@pytest.mark.parametrize("max_batch,k,topk,m", [(1, 3, 1, None), (1, 3, 2, 6), (3, 3, 4, 10)])
+def test_fused_steps_without_the_padding_row(setup, plain, max_batch, k, topk, m):
+    """BatchOptions(fused_min_rows=1): a fused dispatch of one request runs one row (no padding row),
+    and the streams still equal plain greedy decoding; with max_batch 1 no two-row program is made."""
+    cfg, target, other, prompts = setup
+    eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ),
+                 BatchOptions(max_batch=max_batch, fused_min_rows=1), jnp.float32,
+                 draft=_draft(other, other_cfg(), k, topk, m))
+    outs = _run(eng, prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    spec_rows = {d for key, dims in eng.shapes.used.items() if key[:2] == ("decode", "spec") for d in dims}
+    if max_batch == 1:
+        assert spec_rows == {(1,)}, spec_rows
+    else:
+        assert spec_rows, eng.shapes.used
+
+
+def test_fused_min_rows_is_checked():
+    with pytest.raises(ValueError, match="fused_min_rows must be 1 or 2"):
+        BatchOptions(fused_min_rows=0)
+    with pytest.raises(ValueError, match="fused_min_rows must be 1 or 2"):
+        BatchOptions(fused_min_rows=True)
+
+
 def test_stops_inside_an_accepted_block(setup, plain):
     """EOS / stop ids / max_tokens that fall inside one speculative step cut exactly where plain
     decoding stops: same tokens, same finish reason, nothing after the stop."""
