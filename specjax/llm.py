@@ -103,7 +103,8 @@ class LLM:
                  prefill_chunk: int = BatchOptions.prefill_chunk,
                  steps_per_call: int = BatchOptions.steps_per_call,
                  spec_steps_per_call: int = BatchOptions.spec_steps_per_call, adaptive_steps: bool = False,
-                 speculate_below: int | None | str = "auto", min_accept: float | None | str = "auto"):
+                 speculate_below: int | None | str = "auto", min_accept: float | None | str = "auto",
+                 fused_min_rows: int = BatchOptions.fused_min_rows):
         """dtype: "auto" (float32 on the CPU, bfloat16 on GPUs and TPUs), "bfloat16" or "float32".
         draft: None (plain decoding), "self" (the target drafts for itself: for testing), "ngram"
         (prompt lookup: drafts copied from the request's own text, no weights; specjax.ngram), the
@@ -141,6 +142,8 @@ class LLM:
         below this break-even, probing with a fused dispatch now and then (specjax.adaptive; lossless);
         None: off; "auto": the n-gram drafter's measured break-even, a draft's spec_defaults
         "min_accept", else off.
+        fused_min_rows: 1 lets a fused speculative dispatch of one request run without the padding row
+        that every decode dispatch has (2, the default; see BatchOptions.fused_min_rows).
         Constrained requests (SamplingParams json_schema / regex / grammar / choice) compile with one
         specjax.grammar.GrammarCompiler built from the tokenizer on first use."""
         from specjax import compile_cache
@@ -185,7 +188,8 @@ class LLM:
         self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages, prefix_cache),
                              BatchOptions(max_batch, max_prefill_tokens, prefill_chunk, steps_per_call=steps_per_call,
                                           spec_steps_per_call=spec_steps_per_call, adaptive_steps=adaptive_steps,
-                                          speculate_below=below, min_accept=gate), DTYPES[dtype],
+                                          speculate_below=below, min_accept=gate, fused_min_rows=fused_min_rows),
+                             DTYPES[dtype],
                              draft=engine_draft, mesh=mesh,
                              sched=scheduler, grammar=self._grammar_compiler, kv_compact_impl=kv_compact_impl,
                              attention=attention)

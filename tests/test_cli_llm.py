@@ -304,3 +304,15 @@ def test_shipped_head_records_its_measurement():
     assert read_meta(DEFAULT_HEAD_DIR)["spec_defaults_measured"]["attention"] == "mosaic_gpu"
     assert head_speculate_below(DEFAULT_HEAD_DIR) == 32
     assert "runs reference" in measurement_note(DEFAULT_HEAD_DIR, "reference")
+
+
+def test_llm_fused_min_rows_one(llm):
+    """LLM(fused_min_rows=1): a lone request's fused steps run one row; same greedy text as plain (f32)."""
+    from specjax import LLM
+    from specjax.tree import SpecConfig
+    spec = LLM(llm.model_dir, dtype="float32", max_batch=1, max_seq_len=MAX_SEQ, draft="self",
+               spec=SpecConfig(method="draft", num_steps=2, topk=2, num_draft_tokens=3), fused_min_rows=1)
+    assert spec.engine.batch_opts.fused_min_rows == 1
+    got = spec.generate(TEXTS[:1], GREEDY8)
+    assert [g.token_ids for g in got] == [w.token_ids for w in llm.generate(TEXTS[:1], GREEDY8)]
+    assert {d for k, ds in spec.engine.shapes.used.items() if k[:2] == ("decode", "spec") for d in ds} == {(1,)}
