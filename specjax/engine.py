@@ -623,6 +623,7 @@ class Engine(GrammarSteps, DFASteps):
         b = self.batch_opts
         gated = (self.draft is not None and not grammar and not dispatch_plan.runs_lite(len(rows), b.speculate_below)
                  and self.gate.lite([r for _, r in rows], b.min_accept, b.probe_every))
+
         def rows_b(kind):  # the rows' bucket for a program of this kind
             return (self.sched.rows_bucket(len(rows), self._min_rows(kind)),)
 

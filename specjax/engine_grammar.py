@@ -103,7 +103,8 @@ class GrammarSteps:
             self._collect()
             rows = self.sched.stepping()  # (every step read: = decoding())
             return self._dispatch(rows, grammar=True) if rows else None
-        slots, active = self.sched.row_slots(rows, min_rows=self._min_rows("spec" if self.draft is not None else "decode"))
+        kind = "spec" if self.draft is not None else "decode"
+        slots, active = self.sched.row_slots(rows, min_rows=self._min_rows(kind))
         flags = self._flags([r for _, r in rows])
         t0 = time.perf_counter()
         what = lambda: f"{'verify' if self.draft is not None else 'forward'} rows={len(slots)}"  # noqa: E731
