@@ -481,6 +481,8 @@ class Engine(GrammarSteps, DFASteps):
             self._report(req)
         newest = None
         rows = self.sched.stepping()
+        if rows and self._hold_back(rows):
+            rows = []  # read the dispatches in flight first: they are expected to finish every row
         if rows:
             self._push_page_table()
             if any(r.grammar is not None for _, r in rows):
@@ -650,6 +652,20 @@ class Engine(GrammarSteps, DFASteps):
         entry.after_lite = p.kind == "spec" and self._last_kind == "lite"
         self._last_kind = p.kind
         return entry
+
+    def _hold_back(self, rows) -> bool:
+        """Whether a speculative engine skips this step's dispatch because the fused steps in flight are
+        expected to finish every row: a row's `sure` tokens (one per fused step in flight) times its
+        measured tokens per fused step reach its max_tokens. A fused dispatch has a static number of
+        steps and runs one ahead of the host, so the next one would otherwise run whole past the end
+        (the eval measured 4.0 such steps per 256-token request, 4.4 % of its fused steps). If the
+        estimate was wrong, the step after the read dispatches again: one host round trip lost.
+        Plain decoding needs no estimate (its rows' tokens per step are known: Scheduler.stepping)."""
+        if self.draft is None or not self._pending:
+            return False
+        sure = self.sched.sure
+        return all(r.accept_ema is not None and len(r.token_ids) + sure[s] * r.accept_ema >= r.max_len
+                   for s, r in rows)
 
     def _min_rows(self, kind: str) -> int:
         """The fewest rows a decode dispatch of this kind pads to (BatchOptions.fused_min_rows for fused

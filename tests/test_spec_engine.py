@@ -95,6 +95,35 @@ def test_fused_min_rows_is_checked():
         BatchOptions(fused_min_rows=True)
 
 
+@pytest.mark.parametrize("hold", [True, False])
+def test_hold_back_near_max_tokens(setup, monkeypatch, hold):
+    """A speculative engine does not dispatch fused steps that the steps in flight are expected to make
+    useless (every row reaches max_tokens by its measured tokens per step): with a draft that is the
+    target itself (4 tokens per fused step) the requests run fewer fused steps than with the hold-back
+    switched off, and their tokens equal plain greedy decoding either way."""
+    cfg, target, _, prompts = setup
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    short = [prompts[i] for i in (0, 2, 5)]  # prompt + 30 tokens fit the 64-token context
+    want = _run(_engine(cfg, target), short, params)
+
+    def run(hold_back):
+        if not hold_back:
+            monkeypatch.setattr(Engine, "_hold_back", lambda self, rows: False)
+        eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=1),
+                     jnp.float32, draft=_draft(target, cfg, 3))
+        got = _run(eng, short, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        return eng.stats()["spec_dispatch_steps"], sum(len(o.token_ids) for o in got)
+
+    steps, tokens = run(hold)
+    assert tokens == 3 * 30
+    # 30 tokens at 4 per fused step: 8 useful steps per request (the last one cut at max_tokens)
+    if hold:
+        assert steps == 3 * 8, steps  # the 4-step dispatches: 4 + 4, none past the end
+    else:
+        assert steps == 3 * (8 + 4), steps  # one whole 4-step dispatch past each request's end
+
+
 def test_stops_inside_an_accepted_block(setup, plain):
     """EOS / stop ids / max_tokens that fall inside one speculative step cut exactly where plain
     decoding stops: same tokens, same finish reason, nothing after the stop."""
