@@ -98,11 +98,11 @@ class BatchOptions:
     min_accept: float | None = None  # speculative engine: lite steps while the rows' measured tokens per
     #                                  fused step are below this (specjax.adaptive); None: off
     probe_every: int = 8  # gated by min_accept: one fused dispatch after this many lite ones
-    fused_min_rows: int = 2  # fused speculative dispatches pad their rows to at least this many (1 or 2):
-    #                          2 keeps a batch of one request's draft matmuls at M >= 2 like plain decoding
-    #                          (an M = 1 dot became a weight-sized multiply + reduce there); 1 runs it
-    #                          without the padding row (the 8B verify forward over 17 tokens: 5.49 ms for
-    #                          one row, 6.06 ms for two; not yet measured end to end, so not the default)
+    fused_min_rows: int = 1  # fused speculative dispatches pad their rows to at least this many (1 or 2):
+    #                          1 runs one request's fused steps without a padding row (the verify forward
+    #                          over 17 tokens is then M = 17, not 34: SmolLM2's fused step 1 410 -> 1 296 us
+    #                          and 1.98-2.06x -> 2.13-2.14x plain on an H200, docs/benchmarks.md); 2 pads
+    #                          like plain decoding (an M = 1 dot became a weight-sized multiply + reduce)
 
     def __post_init__(self):
         for name in ("prefill_chunk", "steps_per_call", "spec_steps_per_call"):

@@ -142,8 +142,8 @@ class LLM:
         below this break-even, probing with a fused dispatch now and then (specjax.adaptive; lossless);
         None: off; "auto": the n-gram drafter's measured break-even, a draft's spec_defaults
         "min_accept", else off.
-        fused_min_rows: 1 lets a fused speculative dispatch of one request run without the padding row
-        that every decode dispatch has (2, the default; see BatchOptions.fused_min_rows).
+        fused_min_rows: 1 (the default) lets a fused speculative dispatch of one request run without
+        the padding row of plain decode dispatches; 2 pads it (see BatchOptions.fused_min_rows).
         Constrained requests (SamplingParams json_schema / regex / grammar / choice) compile with one
         specjax.grammar.GrammarCompiler built from the tokenizer on first use."""
         from specjax import compile_cache

@@ -306,13 +306,17 @@ def test_shipped_head_records_its_measurement():
     assert "runs reference" in measurement_note(DEFAULT_HEAD_DIR, "reference")
 
 
-def test_llm_fused_min_rows_one(llm):
-    """LLM(fused_min_rows=1): a lone request's fused steps run one row; same greedy text as plain (f32)."""
+@pytest.mark.parametrize("min_rows", [None, 2])
+def test_llm_fused_min_rows(llm, min_rows):
+    """LLM(fused_min_rows=...): by default (1) a lone request's fused steps run one row, with 2 two rows
+    (a padding row); the same greedy text as plain either way (f32)."""
     from specjax import LLM
     from specjax.tree import SpecConfig
+    kw = {} if min_rows is None else {"fused_min_rows": min_rows}
     spec = LLM(llm.model_dir, dtype="float32", max_batch=1, max_seq_len=MAX_SEQ, draft="self",
-               spec=SpecConfig(method="draft", num_steps=2, topk=2, num_draft_tokens=3), fused_min_rows=1)
-    assert spec.engine.batch_opts.fused_min_rows == 1
+               spec=SpecConfig(method="draft", num_steps=2, topk=2, num_draft_tokens=3), **kw)
+    assert spec.engine.batch_opts.fused_min_rows == (min_rows or 1)
     got = spec.generate(TEXTS[:1], GREEDY8)
     assert [g.token_ids for g in got] == [w.token_ids for w in llm.generate(TEXTS[:1], GREEDY8)]
-    assert {d for k, ds in spec.engine.shapes.used.items() if k[:2] == ("decode", "spec") for d in ds} == {(1,)}
+    assert {d for k, ds in spec.engine.shapes.used.items() if k[:2] == ("decode", "spec") for d in ds} == \
+        {(min_rows or 1,)}
