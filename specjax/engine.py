@@ -48,12 +48,13 @@ from flax import nnx
 
 from specjax import attention as attn_lib
 from specjax import dispatch_plan
-from specjax.adaptive import AcceptanceGate, check_min_accept, check_probe_every
+from specjax.adaptive import AcceptanceGate
 from specjax.background_compile import BackgroundCompiles
 from specjax.compile_watch import CompileWatch
 from specjax import programs as prog
 from specjax.decode import PrefillRows
 from specjax.engine_dfa import DFASteps
+from specjax.engine_options import BatchOptions, CacheOptions, Draft, StepUpdate, check_speculate_below
 from specjax.engine_grammar import GrammarSteps
 from specjax.grammar_masks import MaskBuilder
 from specjax.host_timing import HostTimes
@@ -68,79 +69,6 @@ from specjax.shape_reuse import ShapeReuse
 __all__ = ["BatchOptions", "CacheOptions", "Draft", "Engine", "SchedulerOptions", "StepUpdate"]
 
 log = logging.getLogger("specjax")
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheOptions:
-    page_size: int = 16
-    max_seq_len: int = 2048
-    num_pages: int | None = None  # default: every slot can reach max_seq_len (plus a speculative step)
-    prefix_cache: bool = True  # share the KV pages of cached prompt prefixes between requests
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchOptions:
-    max_batch: int = 8
-    max_prefill_tokens: int = 8192  # rows * padded length of one prefill call (several prompts share one)
-    prefill_chunk: int = 2048  # the longest piece of one prompt in a prefill call: longer prompts are
-    #                            prefilled in chunks between decode steps (running streams keep flowing)
-    steps_per_call: int = 8  # decode steps per dispatch; tokens past a request's stop are dropped
-    spec_steps_per_call: int = 4  # fused speculative steps per dispatch (batches without grammars);
-    #                               stop ids and length limits are checked on the device between them
-    speculate_below: int | None = None  # speculative engine: fused steps for batches of fewer rows than
-    #                                     this, lite steps (plain decoding, the draft kept in sync) from
-    #                                     this many rows on (specjax.dispatch_plan); None: always fused
-
-    adaptive_steps: bool = False  # steps per dispatch halve (to a quarter) while the host waits for the
-    #                               device and grow back while it does not (dispatch_plan.StepsCap): a
-    #                               new request waits less for the dispatches in flight (the server's);
-    #                               a level's programs compile in the background, never on the engine thread
-    min_accept: float | None = None  # speculative engine: lite steps while the rows' measured tokens per
-    #                                  fused step are below this (specjax.adaptive); None: off
-    probe_every: int = 8  # gated by min_accept: one fused dispatch after this many lite ones
-    fused_min_rows: int = 1  # fused speculative dispatches pad their rows to at least this many (1 or 2):
-    #                          1 runs one request's fused steps without a padding row (the verify forward
-    #                          over 17 tokens is then M = 17, not 34: SmolLM2's fused step 1 410 -> 1 296 us
-    #                          and 1.98-2.06x -> 2.13-2.14x plain on an H200, docs/benchmarks.md); 2 pads
-    #                          like plain decoding (an M = 1 dot became a weight-sized multiply + reduce)
-
-    def __post_init__(self):
-        for name in ("prefill_chunk", "steps_per_call", "spec_steps_per_call"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        check_speculate_below(self.speculate_below)
-        check_min_accept(self.min_accept)
-        check_probe_every(self.probe_every)
-        if self.fused_min_rows not in (1, 2) or isinstance(self.fused_min_rows, bool):
-            raise ValueError(f"fused_min_rows must be 1 or 2, got {self.fused_min_rows!r}")
-
-
-def check_speculate_below(value) -> None:
-    """speculate_below is None or an int >= 1 (ValueError naming the value otherwise)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"speculate_below must be None, 'auto' or an int >= 1, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Draft:
-    """A speculative-decoding draft: a Llama-family model with the target's vocabulary
-    (info.method "draft"), an EAGLE-1 / EAGLE-3 head, or the n-gram drafter (info.method "ngram",
-    model and kv_cfg None), with its tree configuration."""
-    model: nnx.Module | None
-    kv_cfg: object  # ModelConfig giving the draft's KV layout (num_layers, num_kv_heads, head_dim); None: no KV
-    info: object  # specjax.drafter.DraftInfo
-    spec: object  # specjax.tree.SpecConfig
-
-
-@dataclasses.dataclass
-class StepUpdate:
-    """What one engine step gave a request: its new tokens (maybe none) and whether it is done."""
-    request: Request
-    token_ids: list[int]
-
-    @property
-    def finished(self) -> bool:
-        return self.request.finished
 
 
 @dataclasses.dataclass
@@ -259,6 +187,7 @@ class Engine(GrammarSteps, DFASteps):
         self._loop_end = None  # when the last step() that dispatched ended (the loop's period)
         self.gate = AcceptanceGate()  # lite or fused steps by measured acceptance (BatchOptions.min_accept)
         self._last_kind = None  # the kind of the last decode dispatch
+        self.held_back = 0  # steps that read the dispatches in flight instead of dispatching (_hold_back)
         self.dispatched_steps = dict.fromkeys(("decode", "spec", "lite"), 0)  # the steps they ran
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
@@ -370,6 +299,7 @@ class Engine(GrammarSteps, DFASteps):
             **self.host.stats(),  # host seconds by phase (specjax.host_timing)
             **{f"{k}_dispatches": v for k, v in self.dispatches.items()},
             **{f"{k}_dispatch_steps": v for k, v in self.dispatched_steps.items()},
+            "held_back_steps": self.held_back,  # no dispatch: those in flight were expected to finish every row
             "steps_per_call_cap": self.steps_cap.caps(self.batch_opts)[0 if self.draft is None else 1],
             **self.gate.stats(),  # lite dispatches chosen by the acceptance gate, its probes (specjax.adaptive)
             **self._dfa_counts(),  # constrained requests by path: device DFA / host grammar, DFA fallbacks
@@ -483,6 +413,7 @@ class Engine(GrammarSteps, DFASteps):
         rows = self.sched.stepping()
         if rows and self._hold_back(rows):
             rows = []  # read the dispatches in flight first: they are expected to finish every row
+            self.held_back += 1
         if rows:
             self._push_page_table()
             if any(r.grammar is not None for _, r in rows):
@@ -661,7 +592,8 @@ class Engine(GrammarSteps, DFASteps):
         (the eval measured 4.0 such steps per 256-token request, 4.4 % of its fused steps). If the
         estimate was wrong, the step after the read dispatches again: one host round trip lost.
         Plain decoding needs no estimate (its rows' tokens per step are known: Scheduler.stepping)."""
-        if self.draft is None or not self._pending:
+        kinds = {e.kind for e in self._pending}
+        if self.draft is None or "spec" not in kinds or "lite" in kinds:  # lite steps give one token each
             return False
         sure = self.sched.sure
         return all(r.accept_ema is not None and len(r.token_ids) + sure[s] * r.accept_ema >= r.max_len

@@ -113,7 +113,9 @@ def test_hold_back_near_max_tokens(setup, monkeypatch, hold):
                      jnp.float32, draft=_draft(target, cfg, 3))
         got = _run(eng, short, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
-        return eng.stats()["spec_dispatch_steps"], sum(len(o.token_ids) for o in got)
+        st = eng.stats()
+        assert (st["held_back_steps"] > 0) == hold_back
+        return st["spec_dispatch_steps"], sum(len(o.token_ids) for o in got)
 
     steps, tokens = run(hold)
     assert tokens == 3 * 30
