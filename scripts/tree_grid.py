@@ -111,7 +111,12 @@ def main(argv=None) -> int:
     p.add_argument("--markdown", default=None)
     p.add_argument("--png", default=None)
     p.add_argument("--write-best", default=None, help="head directory whose specjax.json gets spec_defaults")
+    p.add_argument("--tau-only", action="store_true",
+                   help="acceptance only: one untimed generate per configuration, no plain decoding (tree "
+                        "shapes compared on any machine, e.g. the CPU in float32)")
     a = p.parse_args(argv)
+    if a.tau_only and a.write_best:
+        p.error("--write-best needs timings; it cannot be used with --tau-only")
     sets = load_sets(None, a.per_set)
     method = draft_method(a.draft)
     rows = []
@@ -123,6 +128,25 @@ def main(argv=None) -> int:
         ids = [x for x in ids if len(x) + a.max_tokens < a.max_seq_len]
         ids = (ids * B)[: request_count(len(ids), B)]  # whole waves: no second wave of a few rows
         params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
+        if a.tau_only:
+            del plain
+            for steps, topk, ntok in _configs(a.configs):
+                cfg = SpecConfig(method=method, num_steps=steps, topk=topk, num_draft_tokens=ntok)
+                llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=a.draft, spec=cfg,
+                          speculate_below=None)
+                outs = llm.generate(ids, params)
+                n = sum(len(o.token_ids) for o in outs)  # tau over all fused steps: tokens / steps
+                steps_n = round(sum(len(o.token_ids) / o.accept_len_mean for o in outs if o.accept_len_mean))
+                tau = n / max(steps_n, 1)
+                rows.append({"batch": B, "num_steps": steps, "topk": topk, "num_draft_tokens": ntok,
+                             "tau": round(tau, 3), "fused_steps": steps_n, "tok_s": None, "plain_tok_s": None,
+                             "speedup": None})
+                print(f"[grid] batch {B} steps {steps} topk {topk} tokens {ntok}: tau {tau:.3f} over {steps_n} "
+                      f"fused steps", flush=True)
+                del llm
+                if a.json:
+                    Path(a.json).write_text(json.dumps({"rows": rows, "complete": False}, indent=2) + "\n")
+            continue
         plain.generate(ids[:B], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # compile
         plain.generate(ids, params)
         plain_tps, _, n = _timed(plain, ids, params)
@@ -144,6 +168,16 @@ def main(argv=None) -> int:
             del llm
             if a.json:  # after every row: a run cut short keeps what it measured
                 Path(a.json).write_text(json.dumps({"rows": rows, "complete": False}, indent=2) + "\n")
+    if a.tau_only:
+        md = ["| batch | num_steps | topk | num_draft_tokens | τ | fused steps |", "|---|---|---|---|---|---|"]
+        md += [f"| {r['batch']} | {r['num_steps']} | {r['topk']} | {r['num_draft_tokens']} | {r['tau']:.3f} | "
+               f"{r['fused_steps']} |" for r in rows]
+        print("\n".join(md))
+        if a.markdown:
+            Path(a.markdown).write_text("\n".join(md) + "\n")
+        if a.json:
+            Path(a.json).write_text(json.dumps({"rows": rows, "complete": True}, indent=2) + "\n")
+        return 0
     md = ["| batch | num_steps | topk | num_draft_tokens | τ | spec tok/s | plain tok/s | speed-up |",
           "|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['batch']} | {r['num_steps']} | {r['topk']} | {r['num_draft_tokens']} | {r['tau']:.2f} | "
