@@ -85,9 +85,13 @@ def _timed(llm, ids, params, tries: int = 3) -> tuple[float, float, int]:
         print(f"[grid]   timed call {i + 1} compiled {compiled} program(s) ({dt:.1f} s): again", flush=True)
     else:
         raise RuntimeError(f"every one of {tries} identical calls compiled programs: no timing")
-    n = sum(len(o.token_ids) for o in outs)
+    return sum(len(o.token_ids) for o in outs) / dt, _tau(outs), sum(len(o.token_ids) for o in outs)
+
+
+def _tau(outs) -> float:
+    """The mean over requests of their mean tokens per speculative step (1.0: none speculated)."""
     taus = [o.accept_len_mean for o in outs if o.accept_len_mean is not None]
-    return n / dt, (sum(taus) / len(taus) if taus else 1.0), n
+    return sum(taus) / len(taus) if taus else 1.0
 
 
 def main(argv=None) -> int:
@@ -128,68 +132,54 @@ def main(argv=None) -> int:
         ids = [x for x in ids if len(x) + a.max_tokens < a.max_seq_len]
         ids = (ids * B)[: request_count(len(ids), B)]  # whole waves: no second wave of a few rows
         params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
-        if a.tau_only:
-            del plain
-            for steps, topk, ntok in _configs(a.configs):
-                cfg = SpecConfig(method=method, num_steps=steps, topk=topk, num_draft_tokens=ntok)
-                llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=a.draft, spec=cfg,
-                          speculate_below=None)
-                outs = llm.generate(ids, params)
-                n = sum(len(o.token_ids) for o in outs)  # tau over all fused steps: tokens / steps
-                steps_n = round(sum(len(o.token_ids) / o.accept_len_mean for o in outs if o.accept_len_mean))
-                tau = n / max(steps_n, 1)
-                rows.append({"batch": B, "num_steps": steps, "topk": topk, "num_draft_tokens": ntok,
-                             "tau": round(tau, 3), "fused_steps": steps_n, "tok_s": None, "plain_tok_s": None,
-                             "speedup": None})
-                print(f"[grid] batch {B} steps {steps} topk {topk} tokens {ntok}: tau {tau:.3f} over {steps_n} "
-                      f"fused steps", flush=True)
-                del llm
-                if a.json:
-                    Path(a.json).write_text(json.dumps({"rows": rows, "complete": False}, indent=2) + "\n")
-            continue
-        plain.generate(ids[:B], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # compile
-        plain.generate(ids, params)
-        plain_tps, _, n = _timed(plain, ids, params)
-        print(f"[grid] batch {B}: plain {plain_tps:.0f} tok/s ({n} tokens)", flush=True)
+        plain_tps = None
+        if not a.tau_only:
+            plain.generate(ids[:B], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # compile
+            plain.generate(ids, params)
+            plain_tps, _, n = _timed(plain, ids, params)
+            print(f"[grid] batch {B}: plain {plain_tps:.0f} tok/s ({n} tokens)", flush=True)
         del plain
         for steps, topk, ntok in _configs(a.configs):
             cfg = SpecConfig(method=method, num_steps=steps, topk=topk, num_draft_tokens=ntok)
             llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=a.draft, spec=cfg,
                       speculate_below=None)
-            llm.generate(ids, params)  # compile every bucket; the second pass compiles the prefill
-            llm.generate(ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # of cache hits
-            tps, tau, _ = _timed(llm, ids, params)
-            attention = llm.engine.attention_name
-            rows.append({"batch": B, "num_steps": steps, "topk": topk, "num_draft_tokens": ntok, "tau": round(tau, 3),
-                         "tok_s": round(tps, 1), "plain_tok_s": round(plain_tps, 1),
-                         "speedup": round(tps / plain_tps, 3)})
-            print(f"[grid] batch {B} steps {steps} topk {topk} tokens {ntok}: tau {tau:.2f}, {tps:.0f} tok/s, "
-                  f"x{tps / plain_tps:.2f}", flush=True)
+            row = {"batch": B, "num_steps": steps, "topk": topk, "num_draft_tokens": ntok}
+            if a.tau_only:  # one untimed call: its acceptance only
+                row.update(tau=round(_tau(llm.generate(ids, params)), 3), tok_s=None, plain_tok_s=None, speedup=None)
+                print(f"[grid] batch {B} steps {steps} topk {topk} tokens {ntok}: tau {row['tau']:.3f}", flush=True)
+            else:
+                llm.generate(ids, params)  # compile every bucket; the second pass compiles the prefill
+                llm.generate(ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # of cache hits
+                tps, tau, _ = _timed(llm, ids, params)
+                attention = llm.engine.attention_name
+                row.update(tau=round(tau, 3), tok_s=round(tps, 1), plain_tok_s=round(plain_tps, 1),
+                           speedup=round(tps / plain_tps, 3))
+                print(f"[grid] batch {B} steps {steps} topk {topk} tokens {ntok}: tau {tau:.2f}, {tps:.0f} tok/s, "
+                      f"x{tps / plain_tps:.2f}", flush=True)
+            rows.append(row)
             del llm
             if a.json:  # after every row: a run cut short keeps what it measured
                 Path(a.json).write_text(json.dumps({"rows": rows, "complete": False}, indent=2) + "\n")
-    if a.tau_only:
-        md = ["| batch | num_steps | topk | num_draft_tokens | τ | fused steps |", "|---|---|---|---|---|---|"]
-        md += [f"| {r['batch']} | {r['num_steps']} | {r['topk']} | {r['num_draft_tokens']} | {r['tau']:.3f} | "
-               f"{r['fused_steps']} |" for r in rows]
-        print("\n".join(md))
-        if a.markdown:
-            Path(a.markdown).write_text("\n".join(md) + "\n")
-        if a.json:
-            Path(a.json).write_text(json.dumps({"rows": rows, "complete": True}, indent=2) + "\n")
-        return 0
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
     md = ["| batch | num_steps | topk | num_draft_tokens | τ | spec tok/s | plain tok/s | speed-up |",
           "|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['batch']} | {r['num_steps']} | {r['topk']} | {r['num_draft_tokens']} | {r['tau']:.2f} | "
-           f"{r['tok_s']:.0f} | {r['plain_tok_s']:.0f} | {r['speedup']:.2f}x |" for r in rows]
+           f"{num(r['tok_s'], '.0f')} | {num(r['plain_tok_s'], '.0f')} | {num(r['speedup'], '.2f')}{'' if r['speedup'] is None else 'x'} |" for r in rows]
     text = "\n".join(md)
     print(text)
+    if a.markdown:
+        Path(a.markdown).write_text(text + "\n")
+    if a.tau_only:
+        if a.json:
+            Path(a.json).write_text(json.dumps({"rows": rows, "complete": True}, indent=2) + "\n")
+        return 0
     best = {}
     for r in rows:
         if r["batch"] not in best or r["tok_s"] > best[r["batch"]]["tok_s"]:
             best[r["batch"]] = r
-    if a.markdown:
-        Path(a.markdown).write_text(text + "\n")
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "best": best, "complete": True}, indent=2) + "\n")
     if a.png:
