@@ -188,7 +188,8 @@ def admit(eng, cfg, batch, context, max_seq_len, temperature, steps):
         eng.sched.inflight[s] += eng.sched.advance * (steps + 3)
     assert not eng.sched.reserve(), "--max-seq-len too short for --context and --steps"
     eng._push_page_table()
-    slots, active = eng.sched.row_slots(rows)
+    # the rows the engine's dispatch pads to (a fused step of one request runs one row; plain runs >= 2)
+    slots, active = eng.sched.row_slots(rows, min_rows=eng._min_rows("spec" if eng.draft is not None else "decode"))
     return reqs, slots, active, eng._flags(reqs)
 
 

@@ -5,7 +5,9 @@
 Random bf16 weights; --rows batch rows (row 0 active; the engine pads batch 1 to 2 rows for T = 1), context 512 in a
 1024-token paged slot; a tree-style block mask (each token sees itself and token 0) for T > 1.
 Prints ms per forward (logits included) for each T and attention implementation; run under
-different XLA_FLAGS to compare GEMM back ends.
+different XLA_FLAGS to compare GEMM back ends. `--profile N` also traces N forwards per T and prints
+the device time per forward of each instruction kind (op name, layers folded; kernel), the largest
+first (XLA's HLO dump maps kernels to op names, as in scripts/profile_step.py).
 """
 from __future__ import annotations
 
@@ -15,8 +17,15 @@ import json
 import os
 import sys
 import time
+import tempfile
+from collections import defaultdict
 from pathlib import Path
 
+DUMP = None
+if __name__ == "__main__" and "--profile" in sys.argv:  # before jax starts
+    DUMP = tempfile.mkdtemp(prefix="specjax_hlo_")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text"
+                               " --xla_gpu_enable_command_buffer=").strip()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
@@ -37,6 +46,8 @@ def main():
     p.add_argument("--attention", default="cudnn,reference")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rows", type=int, default=2)
+    p.add_argument("--profile", type=int, default=0, help="trace N forwards per T; print the costliest kernels")
+    p.add_argument("--top", type=int, default=30)
     a = p.parse_args()
     cfg = shape_config(a.shape)
     base = Llama(cfg, jnp.bfloat16, nnx.Rngs(0))
@@ -76,6 +87,34 @@ def main():
             jax.block_until_ready((out, cache))
             ms = (time.perf_counter() - t0) / a.steps * 1e3
             print(json.dumps(dict(shape=a.shape, attention=impl, T=T, ms=ms)), flush=True)
+            if a.profile:
+                cache = profile(lambda c: f(leaves, c, toks, pos, mask), cache, a.profile, a.top, f"{impl} T={T}")
+
+
+def profile(call, cache, n, top, label):
+    """Trace n calls; print us per call of each (op kind, kernel), largest first. -> the cache."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import profile_step as ps
+    tdir = tempfile.mkdtemp(prefix="specjax_prof_")
+    with jax.profiler.trace(tdir):
+        for _ in range(n):
+            out, cache = call(cache)
+        jax.block_until_ready((out, cache))
+    evs, on_device = ps.kernel_events(tdir)
+    smap = ps.scope_map(DUMP) if DUMP else {}
+    by = defaultdict(lambda: [0, 0.0])
+    for name, dur, mod, op in evs:
+        opn = smap.get((mod, op))
+        key = (ps.op_of(opn) if opn else f"(unmapped) {op}", name.split(".")[0][:40])
+        by[key][0] += 1
+        by[key][1] += dur
+    tot_n, tot_t = sum(v[0] for v in by.values()), sum(v[1] for v in by.values())
+    print(f"== profile {label}: {tot_n / n:.0f} kernels, {tot_t / 1e3 / n:.1f} us per forward "
+          f"({'GPU kernels' if on_device else 'CPU ops'})", flush=True)
+    print("| op | kernel | kernels / fwd | us / fwd |\n|---|---|---|---|")
+    for (op, kname), (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"| {op} | {kname} | {c / n:.1f} | {t / 1e3 / n:.1f} |", flush=True)
+    return cache
 
 
 if __name__ == "__main__":
