@@ -43,6 +43,7 @@ def enable() -> Path | None:
     if _done:
         return _dir
     _done = True
+    _dir = None  # off unless a directory is taken below
     configured = jax.config.jax_compilation_cache_dir
     if configured:  # set by the user (JAX_COMPILATION_CACHE_DIR or jax.config): theirs
         _dir = Path(configured)

@@ -1,5 +1,5 @@
 """Session setup: 8 host (CPU) devices, so that sharding tests can build meshes on a CPU-only machine;
-the persistent compilation cache off.
+a persistent compilation cache of this run only.
 
 Must run before the JAX backend initialises (pytest imports conftest before the test modules).
 Everything that does not ask for a mesh keeps running on the default device, jax.devices()[0].
@@ -8,15 +8,23 @@ An explicit device count from the environment (JAX_NUM_CPU_DEVICES or the XLA fl
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import warnings
 
 NUM_CPU_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
 
-# Tests compile from scratch (hermetic, and no test writes to the user's cache): the persistent
-# compilation cache is off unless the environment says otherwise; tests/test_compile_cache.py
-# turns it on in its own processes.
-os.environ.setdefault("SPECJAX_COMPILE_CACHE", "off")
+# Tests never read or write the user's compilation cache: unless the environment names one (or
+# "off"), the run gets its own, a fresh temporary directory made by the first process (pytest, or
+# pytest-xdist's controller: its workers and the processes tests start inherit the variable) and
+# removed when that process's session ends. A program that several tests compile alike is compiled
+# once and loaded by the others (the whole suite on 2 cores: 51 -> 45-47 min; most tests' programs differ).
+# tests/test_compile_cache.py runs its own processes with caches of their own.
+_OWN_CACHE = None
+if "SPECJAX_COMPILE_CACHE" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="specjax-test-jax-cache-")
+    os.environ["SPECJAX_COMPILE_CACHE"] = _OWN_CACHE
 
 _user_set = "JAX_NUM_CPU_DEVICES" in os.environ or _FLAG in os.environ.get("XLA_FLAGS", "")
 
@@ -29,3 +37,8 @@ if not _user_set:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}={NUM_CPU_DEVICES}".strip()
     except RuntimeError as e:  # a backend already exists: multi-device tests will skip
         warnings.warn(f"could not set {NUM_CPU_DEVICES} CPU devices: {e}", stacklevel=1)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE is not None:  # the process that made the run's cache (not an xdist worker)
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

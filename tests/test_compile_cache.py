@@ -60,11 +60,12 @@ def test_second_process_reuses_the_persistent_cache(tmp_path):
 
 def test_off_and_user_settings(monkeypatch, tmp_path):
     monkeypatch.setattr(compile_cache, "_done", False)
+    monkeypatch.setattr(compile_cache, "_dir", compile_cache._dir)  # restored after the test
     monkeypatch.setenv(compile_cache.ENV, "off")
-    before = jax.config.jax_compilation_cache_dir
-    assert compile_cache.enable() is None
-    assert jax.config.jax_compilation_cache_dir == before
-    assert compile_cache.enable() is None  # once per process
+    with _config(None):  # as in a process where nothing configured JAX's cache (the test run's own
+        assert compile_cache.enable() is None  # cache, tests/conftest.py, may be configured here)
+        assert jax.config.jax_compilation_cache_dir is None
+        assert compile_cache.enable() is None  # once per process
     # a directory the user configured for JAX is kept
     monkeypatch.setattr(compile_cache, "_done", False)
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "ours"))
