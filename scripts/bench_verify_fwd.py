@@ -18,7 +18,6 @@ import os
 import sys
 import time
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 DUMP = None
@@ -101,13 +100,7 @@ def profile(call, cache, n, top, label):
             out, cache = call(cache)
         jax.block_until_ready((out, cache))
     evs, on_device = ps.kernel_events(tdir)
-    smap = ps.scope_map(DUMP) if DUMP else {}
-    by = defaultdict(lambda: [0, 0.0])
-    for name, dur, mod, op in evs:
-        opn = smap.get((mod, op))
-        key = (ps.op_of(opn) if opn else f"(unmapped) {op}", name.split(".")[0][:40])
-        by[key][0] += 1
-        by[key][1] += dur
+    by = ps.op_table(evs, ps.scope_map(DUMP) if DUMP else {})
     tot_n, tot_t = sum(v[0] for v in by.values()), sum(v[1] for v in by.values())
     print(f"== profile {label}: {tot_n / n:.0f} kernels, {tot_t / 1e3 / n:.1f} us per forward "
           f"({'GPU kernels' if on_device else 'CPU ops'})", flush=True)

@@ -77,6 +77,20 @@ def op_of(op_name: str) -> str:
     return re.sub(r"layers?_?\d+", "layer*", "/".join(parts)) or "(top)"
 
 
+def op_table(evs, smap, keep_unmapped: bool = True) -> dict[tuple[str, str], list]:
+    """(op kind (op_of), kernel name) -> [kernels, ns] over kernel events (name, ns, module, hlo op);
+    an event without an op name is keyed by its HLO instruction (or dropped: keep_unmapped False)."""
+    by = defaultdict(lambda: [0, 0.0])
+    for name, dur, mod, op in evs:
+        opn = smap.get((mod, op))
+        if opn is None and not keep_unmapped:
+            continue
+        key = (op_of(opn) if opn else f"(unmapped) {op}", name.split(".")[0][:40])
+        by[key][0] += 1
+        by[key][1] += dur
+    return by
+
+
 def kernel_events(trace_dir: str):
     from jax.profiler import ProfileData
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
@@ -120,7 +134,6 @@ def run(llm, batch, max_tokens, temperature, depth, module_re, top, smap_cache, 
     mre = re.compile(module_re)
     by_scope = defaultdict(lambda: [0, 0.0])
     by_module = defaultdict(lambda: [0, 0.0])
-    by_op = defaultdict(lambda: [0, 0.0])
     unmapped = 0
     for name, dur, mod, op in evs:
         by_module[mod][0] += 1
@@ -133,11 +146,9 @@ def run(llm, batch, max_tokens, temperature, depth, module_re, top, smap_cache, 
             sc = f"(unmapped) {op.split('.')[0]}"
         else:
             sc = scope_of(opn, depth)
-            key = (op_of(opn), name.split(".")[0][:40])
-            by_op[key][0] += 1
-            by_op[key][1] += dur
         by_scope[sc][0] += 1
         by_scope[sc][1] += dur
+    by_op = op_table([e for e in evs if mre.search(e[2])], smap_cache, keep_unmapped=False)
     total_n = sum(v[0] for v in by_scope.values())
     total_t = sum(v[1] for v in by_scope.values())
     per = max(nsteps, 1)

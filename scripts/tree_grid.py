@@ -85,7 +85,8 @@ def _timed(llm, ids, params, tries: int = 3) -> tuple[float, float, int]:
         print(f"[grid]   timed call {i + 1} compiled {compiled} program(s) ({dt:.1f} s): again", flush=True)
     else:
         raise RuntimeError(f"every one of {tries} identical calls compiled programs: no timing")
-    return sum(len(o.token_ids) for o in outs) / dt, _tau(outs), sum(len(o.token_ids) for o in outs)
+    n = sum(len(o.token_ids) for o in outs)
+    return n / dt, _tau(outs), n
 
 
 def _tau(outs) -> float:
