@@ -59,12 +59,12 @@ from specjax.shapes import SHAPES, shape_config  # noqa: E402
 from specjax.tree import SpecConfig  # noqa: E402
 
 
-def eagle3_head(shape: str, cfg: ModelConfig, dtype):
+def eagle3_head(shape: str, cfg: ModelConfig, dtype, draft_vocab: int | None = None):
     d = dict(SHAPES[shape], num_hidden_layers=1, tie_word_embeddings=False)
     layer = ModelConfig.from_hf_dict(d)
     L = cfg.num_layers
     ecfg = EagleConfig(method="eagle3", layer=layer, target_vocab_size=cfg.vocab_size,
-                       draft_vocab_size=min(32000, cfg.vocab_size // 3),
+                       draft_vocab_size=draft_vocab or min(32000, cfg.vocab_size // 3),
                        aux_layers=(2, L // 2, L - 3) if L >= 8 else (0, L // 2, L),  # small L: the tiny shape
                        fc_bias=False)
     head = EagleHead(ecfg, dtype, nnx.Rngs(1))
@@ -297,6 +297,8 @@ def main():
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--breakdown", action="store_true")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="the random head's draft vocabulary (default: min(32000, vocab / 3))")
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--sampling", default="greedy,sample", help="greedy and/or sample (temperature 0.7)")
@@ -319,7 +321,7 @@ def main():
     for shape in a.shapes.split(","):
         cfg = shape_config(shape)
         target = Llama(cfg, DTYPE, nnx.Rngs(0))
-        head, ecfg = eagle3_head(shape, cfg, DTYPE)
+        head, ecfg = eagle3_head(shape, cfg, DTYPE, a.draft_vocab)
         # the attention the engine will choose (it resolves the same request again); the models are
         # configured with it here too, for the unfused variant and the attention-alone timings
         pick = dict(dtype=DTYPE, page_size=a.page_size, interpret=a.interpret, mesh=MESH)

@@ -91,7 +91,9 @@ def add_train_args(p, data_required=True):
     p.add_argument("--clip", type=float, default=0.5)
     p.add_argument("--ttt-steps", type=int, default=6, help="unrolled draft steps (training-time test)")
     p.add_argument("--decay", type=float, default=0.8, help="loss weight of step j: decay**j")
-    p.add_argument("--draft-vocab", type=int, default=16384)
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft vocabulary size (default 16384; with --init-head: that head's; larger: the "
+                        "head's vocabulary grown by the most frequent other labels)")
     p.add_argument("--no-target-init", action="store_true",
                    help="random lm_head / final norm (default: start from the target's)")
     p.add_argument("--init-head", default=None,

@@ -11,6 +11,8 @@ or a draft directory (--draft).
   tau to EOS  tau over the steps that produced each response up to its first EOS in the plain
               output (the timed runs go on past EOS; this is what a user stopping at EOS sees)
   acc@k       fraction of steps that accept >= k drafted tokens, k = 1 .. num_steps
+  in draft vocab  (an EAGLE-3 head with its own smaller vocabulary) share of the plain output's tokens
+              that the head can propose at all; every other token ends a step's accepted run
   tok/s       generated tokens / wall time around generate (after a warm-up that compiles every
               prompt-length bucket and the decode programs), plain and speculative; speed-up = ratio
   identical   prompts whose speculative output equals the plain output (greedy is lossless; bf16
@@ -92,6 +94,19 @@ def acceptance(accepts: list[list[int]], num_steps: int) -> dict:
             "acc": [sum(a - 1 >= k for a in steps) / len(steps) for k in range(1, num_steps + 1)]}
 
 
+def draft_vocab_ids(draft, method: str, target_cfg):
+    """Target ids a draft can propose: an EAGLE-3 head's own (smaller) vocabulary; None: every id."""
+    if method != "eagle3":
+        return None
+    import numpy as np
+
+    from specjax.checkpoint import load_draft_flat
+    flat, ecfg, _ = load_draft_flat(draft, target_cfg)
+    if ecfg.draft_vocab_size >= target_cfg.vocab_size:
+        return None
+    return frozenset((np.asarray(flat["d2t"], np.int64) + np.arange(ecfg.draft_vocab_size)).tolist())
+
+
 def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: int | None = None,
              topk: int | None = None,
              num_draft_tokens: int | None = None, ngram_max: int = 4, ngram_min: int = 1, max_batch: int = 1,
@@ -117,6 +132,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
                min_accept=min_accept)
     spec_cfg = spec.spec
     num_steps, topk = spec_cfg.num_steps, spec_cfg.topk
+    vocab = draft_vocab_ids(draft, method, plain.cfg)
     chat = bool(plain.tokenizer.chat_template) if chat is None else chat
     ids = {c: [p for p in _ids(plain, ps, chat) if len(p) + 1 < max_seq_len] for c, ps in sets.items()}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)  # equal work
@@ -164,12 +180,16 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
                    "fused_steps": steps["spec"], "lite_steps": steps["lite"],
                    "gate_probes": st1["gate_probes"] - st0["gate_probes"]}
         cats[c]["speedup"] = cats[c]["tok_s_spec"] / cats[c]["tok_s_plain"] if cats[c]["tok_s_plain"] else 0.0
+        if vocab is not None:  # the target's tokens the head could have proposed at all
+            cats[c]["in_draft_vocab"] = sum(t in vocab for i in ok for t in res_p[i][0].token_ids)
         log(f"[eval] {c}: tau {cats[c]['tau']:.3f} (to EOS {cats[c]['tau_to_eos']:.3f}), plain "
             f"{cats[c]['tok_s_plain']:.1f} tok/s, spec {cats[c]['tok_s_spec']:.1f} tok/s, speed-up "
             f"{cats[c]['speedup']:.2f}x")
     tot = {k: sum(v[k] for v in cats.values()) for k in ("prompts", "tokens_plain", "tokens_spec", "seconds_plain",
                                                        "seconds_spec", "spec_steps", "steps_to_eos", "identical",
                                                        "fused_steps", "lite_steps", "gate_probes")}
+    if vocab is not None:
+        tot["in_draft_vocab"] = sum(v["in_draft_vocab"] for v in cats.values())
 
     def weighted(key, by):
         return sum(v[key] * v[by] for v in cats.values() if v[by]) / max(tot[by], 1)
@@ -184,7 +204,8 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     settings = {"model": str(plain.model_dir), "draft": str(draft), "method": spec_cfg.method,
                 "num_steps": num_steps, "topk": topk, "num_draft_tokens": spec_cfg.num_draft_tokens,
                 "max_batch": max_batch, "max_tokens": max_tokens, "ignore_eos": True, "dtype": plain.dtype, "chat": chat,
-                "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "min_accept": gate}
+                "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "min_accept": gate,
+                "draft_vocab_size": None if vocab is None else len(vocab)}
     if spec_cfg.method == "ngram":
         settings.update(ngram_max=ngram_max, ngram_min=ngram_min)
     return {"settings": settings, "categories": cats, "overall": tot, "prompt_ids": ids}
@@ -287,6 +308,9 @@ def markdown(summary: dict) -> str:
     gated = s.get("min_accept") is not None
     if gated:
         head += ["lite / fused steps"]
+    dv = s.get("draft_vocab_size")
+    if dv:
+        head += [f"in draft vocab ({dv})"]
     lookup = bool(hf) and "tok_s_lookup" in hf["overall"]
     if hf:
         head += ["HF tok/s"] + (["HF lookup tok/s", "HF lookup speed-up"] if lookup else []) + ["plain / HF"]
@@ -305,6 +329,8 @@ def markdown(summary: dict) -> str:
                  f"{v['identical']}/{v['prompts']}"]
         if gated:
             cells += [f"{v.get('lite_steps', 0)} / {v.get('fused_steps', 0)}"]
+        if dv:
+            cells += [f"{v['in_draft_vocab'] / v['tokens_plain']:.1%}" if v["tokens_plain"] else "-"]
         if hf:
             h = hf["overall"] if c == "**overall**" else hf["categories"].get(c, {})
             hs, hl = h.get("tok_s", 0.0), h.get("tok_s_lookup", 0.0)

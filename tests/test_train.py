@@ -297,6 +297,19 @@ def test_exported_head_in_specjax_eval(pipeline, capsys):
     assert c["prompts"] == 2 and c["identical"] == 2 and c["tokens_plain"] == c["tokens_spec"] > 0
     assert c["tau"] > 1.0 and s["overall"]["tau"] == pytest.approx(c["tau"])
     assert "| evalset | 2 |" in Path(f"{out}.md").read_text() and "| evalset | 2 |" in capsys.readouterr().out
+    # the share of the plain output the head's own vocabulary (VD of 97 ids) could have proposed
+    from specjax import LLM, SamplingParams
+    from specjax import eval as spec_eval
+    from specjax.checkpoint import load_draft_flat
+    llm = LLM(str(model), dtype="float32", max_seq_len=128)
+    flat, _, _ = load_draft_flat(root / "head", llm.cfg, "float32")
+    ids = set((np.asarray(flat["d2t"]) + np.arange(VD)).tolist())
+    prompts = spec_eval._ids(llm, texts[0:4:2], bool(llm.tokenizer.chat_template))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    want = sum(t in ids for o in outs for t in o.token_ids)
+    assert 0 < want, "the check needs outputs inside the head vocabulary"
+    assert s["settings"]["draft_vocab_size"] == VD and c["in_draft_vocab"] == want == s["overall"]["in_draft_vocab"]
+    assert f"in draft vocab ({VD})" in Path(f"{out}.md").read_text()
     assert Path(f"{out}.png").stat().st_size > 1000
 
 
@@ -411,6 +424,43 @@ def test_init_head_continues_from_exported_weights(pipeline, tmp_path):
     assert got[0]["total"] < 0.75 * fresh[0]["total"], (got[0]["total"], fresh[0]["total"])
     with pytest.raises(CheckpointError, match="does not exist"):
         train(dataclasses.replace(cont, work_dir=str(tmp_path / "w2"), init_head=str(tmp_path / "nohead")))
+
+
+def test_init_head_grows_its_draft_vocabulary(pipeline, tmp_path):
+    """--init-head with a larger --draft-vocab: the head's ids stay, the most frequent other labels join;
+    with a zero learning rate the export keeps the head's lm_head columns at its ids and the target's
+    output columns at the new ones; a smaller size is refused."""
+    from specjax.checkpoint import load_config, load_draft_flat, load_flat
+    root, model, _, tcfg, _, _ = pipeline
+    grow = dataclasses.replace(tcfg, work_dir=str(tmp_path / "w"), export_dir=str(tmp_path / "head"), steps=2,
+                               lr=0.0, init_head=str(root / "head"), draft_vocab_size=VD + 20)
+    summary = train(grow)
+    assert summary["draft_vocab_size"] == VD + 20 and summary["draft_vocab_from_head"] == VD
+    assert f"{VD + 20} ids: the initial head's {VD} and the 20 most frequent" in \
+        (tmp_path / "head" / "TRAINING.md").read_text()
+    cfg = load_config(model)
+    before, _, _ = load_draft_flat(root / "head", cfg, "float32")
+    after, ecfg, _ = load_draft_flat(tmp_path / "head", cfg, "float32")
+    assert ecfg.draft_vocab_size == VD + 20
+    old = np.asarray(before["d2t"]) + np.arange(VD)
+    new = np.asarray(after["d2t"]) + np.arange(VD + 20)
+    assert np.all(np.diff(new) > 0) and set(old) < set(new)
+    at = np.searchsorted(new, old)
+    np.testing.assert_array_equal(np.asarray(after["lm_head"])[:, at], np.asarray(before["lm_head"]))
+    added = np.setdiff1d(np.arange(VD + 20), at)
+    _, tflat = load_flat(model, "float32")
+    w = tflat["lm_head"] if "lm_head" in tflat else np.asarray(tflat["embed"]).T
+    np.testing.assert_allclose(np.asarray(after["lm_head"])[:, added], np.asarray(w)[:, new[added]], rtol=1e-6)
+    for k in before:
+        if k not in ("lm_head", "d2t"):
+            np.testing.assert_array_equal(np.asarray(after[k]), np.asarray(before[k]), err_msg=k)
+    # the added ids are the most frequent labels outside the head's vocabulary
+    _, shards = data_lib.load_shards(root / "data")
+    counts = dataset.label_counts(shards, cfg.vocab_size)
+    others = np.setdiff1d(np.arange(cfg.vocab_size), old)
+    assert counts[new[added]].min() >= np.sort(counts[np.setdiff1d(others, new[added])])[-1]
+    with pytest.raises(ValueError, match="can grow, not shrink"):
+        train(dataclasses.replace(grow, work_dir=str(tmp_path / "w3"), draft_vocab_size=VD - 1))
 
 
 def test_schema_prompts_stay_on_the_device_dfa():

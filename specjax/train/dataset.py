@@ -46,12 +46,19 @@ def label_counts(shards: list[Shard], vocab_size: int) -> np.ndarray:
     return np.bincount(flat, minlength=vocab_size)[:vocab_size].astype(np.int64)
 
 
-def draft_vocab(counts: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, float]:
-    """-> (d2t [size] int32, t2d [V] int32, share of the label mass the draft vocabulary covers)."""
+def draft_vocab(counts: np.ndarray, size: int, keep=None) -> tuple[np.ndarray, np.ndarray, float]:
+    """-> (d2t [size] int32, t2d [V] int32, share of the label mass the draft vocabulary covers):
+    the `size` most frequent labels, or keep (target ids, e.g. a trained head's vocabulary) and the most
+    frequent others up to size."""
     V = len(counts)
     if not 0 < size <= V:
         raise ValueError(f"draft vocabulary size {size} must be in 1..{V} (the target vocabulary)")
-    order = np.lexsort((np.arange(V), -counts))  # most frequent first, ties by id
+    kept = np.zeros(V, bool)
+    if keep is not None:
+        kept[np.asarray(keep, np.int64)] = True
+        if kept.sum() > size:
+            raise ValueError(f"draft vocabulary size {size} is smaller than the {int(kept.sum())} ids to keep")
+    order = np.lexsort((np.arange(V), -counts, ~kept))  # kept ids first, then most frequent, ties by id
     ids = np.sort(order[:size]).astype(np.int32)
     t2d = np.full(V, -1, np.int32)
     t2d[ids] = np.arange(size, dtype=np.int32)
