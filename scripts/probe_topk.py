@@ -11,6 +11,8 @@ that every variant returns what `lax.top_k` returns (values and ids, ties to the
 Measured on an H200 (docs/benchmarks.md, 2026-11-26): alone, k argmax rounds took 2-6 us against
 13-18 us for the custom call; inside the fused step (scripts/profile_step.py) the rounds cost as
 much as the calls they replaced (+36 kernels, -3 us per step), so the step keeps `lax.top_k`.
+"reduce" is specjax.topk.top_k_reduce (one kernel per call; not measured yet); the "+log_softmax" variants
+compute what a draft level needs from its logits (specjax.topk.top_k_log_softmax).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+
+from specjax.topk import top_k_log_softmax, top_k_reduce  # one variadic reduction (Kernels.draft_topk "reduce")
 
 
 def topk_xla(x, k):
@@ -49,7 +53,10 @@ def topk_chunked(x, k, chunk=256):
 
 
 VARIANTS = {"xla": topk_xla, "argmax": topk_argmax, "chunked256": topk_chunked,
-            "chunked2048": lambda x, k: topk_chunked(x, k, 2048)}
+            "chunked2048": lambda x, k: topk_chunked(x, k, 2048), "reduce": top_k_reduce,
+            # with the log-softmax the tree needs: what one draft level computes from its logits
+            "xla+log_softmax": lambda x, k: top_k_log_softmax(x, k, "xla"),
+            "reduce+log_softmax": lambda x, k: top_k_log_softmax(x, k, "reduce")}
 
 
 def chain(fn, k, n):
@@ -96,7 +103,11 @@ def main():
         row = {"rows": r, "baseline_us": base * 1e6}
         for name, fn in VARIANTS.items():
             got = jax.jit(fn, static_argnums=1)(x, a.k)
-            same = bool(jnp.array_equal(got[0], ref[0]) and jnp.array_equal(got[1], ref[1]))
+            if name.endswith("log_softmax"):  # ids those of top_k(log_softmax), values within rounding
+                want = topk_xla(jax.nn.log_softmax(x, axis=-1), a.k)
+                same = bool(jnp.array_equal(got[1], want[1]) and jnp.allclose(got[0], want[0], atol=1e-4))
+            else:
+                same = bool(jnp.array_equal(got[0], ref[0]) and jnp.array_equal(got[1], ref[1]))
             t = timed(chain(fn, a.k, a.chain), x)
             row[name] = {"us_per_call": (t - base) / a.chain * 1e6, "same_as_lax_top_k": same}
             print(f"rows {r:4d} {name:12s} {(t - base) / a.chain * 1e6:8.2f} us/call  same={same}")

@@ -58,6 +58,7 @@ from specjax.engine_options import BatchOptions, CacheOptions, Draft, StepUpdate
 from specjax.engine_grammar import GrammarSteps
 from specjax.grammar_masks import MaskBuilder
 from specjax.host_timing import HostTimes
+from specjax import kernels as kernels_lib
 from specjax.kernels import KV_COMPACT_CHOICES, Kernels, choose_kv_compact, compact_shapes
 from specjax.kv_cache import init_cache
 from specjax.request import Request
@@ -199,13 +200,15 @@ class Engine(GrammarSteps, DFASteps):
         spec = None if self.draft is None else self.draft.spec
         if spec is None or spec.is_chain:  # a chain's accepted path is already in place
             unused = "" if kv_compact_impl == "auto" else f"; {kv_compact_impl!r} was asked for"
-            return Kernels(), f"not used ({'plain decoding' if spec is None else 'chain'}{unused})"
+            return Kernels(draft_topk=kernels_lib.DRAFT_TOPK), \
+                f"not used ({'plain decoding' if spec is None else 'chain'}{unused})"
         rows = bucket(max(self.batch_opts.max_batch, 2), 2, max(2, self.batch_opts.max_batch))  # largest step batch
         page_shape = (num_pages, self.cache_opts.page_size, 2, self.cfg.num_kv_heads, self.cfg.head_dim)
         args = compact_shapes(self.cfg.num_layers, page_shape, dtype, rows, self.sched.pages_per_slot,
                               spec.num_steps + 1)
         impl, note = choose_kv_compact(kv_compact_impl, args)
-        return Kernels(kv_compact=impl), f"{impl} ({note})"
+        return Kernels(kv_compact=impl, draft_topk=kernels_lib.DRAFT_TOPK), f"{impl} ({note}); draft top-k: " \
+            f"{kernels_lib.DRAFT_TOPK}"
 
     def _describe(self, dtype, num_pages: int, kernel_note: str) -> str:
         """The engine's info line: decoding mode, cache layout, kernels."""

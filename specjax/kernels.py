@@ -13,6 +13,11 @@ a choice never changes under a compiled program).
                    KernelError (never replaced by another)
       -> Kernels(kv_compact=...) -> specjax.step.accept (compaction of accepted tree paths)
 
+      -> draft_topk: DRAFT_TOPK ("xla": lax.top_k; "reduce": specjax.topk, one variadic reduction
+                 instead of XLA's TopK custom call (the same ids), in a tree without grammar masks with
+                 the level's log-softmax inside it; not yet measured on the GPU, so not the default)
+                 -> the tree growth (specjax.step._grow)
+
 Attention is dispatched in specjax.attention.
 """
 from __future__ import annotations
@@ -31,6 +36,9 @@ KV_COMPACT_CHOICES = ("auto",) + kvc.IMPLS
 GPU_ORDER = ("mosaic", "mosaic:pallas_call", "pallas")  # what "auto" tries on GPU, in order
 
 
+DRAFT_TOPK = "xla"  # the draft top-k every engine runs (specjax.topk.IMPLS)
+
+
 class KernelError(ValueError):
     """An implementation forced by the user cannot run here."""
 
@@ -39,6 +47,7 @@ class KernelError(ValueError):
 class Kernels:
     """The implementations a jitted program runs (hashable, static)."""
     kv_compact: str = "reference"  # one of pallas_kernels.kv_compact.IMPLS
+    draft_topk: str = "xla"  # the draft's per-level top-k: one of specjax.topk.IMPLS (the same results)
 
 
 def compact_shapes(num_layers: int, page_shape: tuple[int, ...], dtype, rows: int, pages_per_slot: int,

@@ -200,7 +200,7 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
 
     def prefill(tw, dw, state, samp_all, rows, samp, mask, drafts=None, *, want_logprobs, stochastic, dfa=False):
         out, state = bound(step_lib.spec_prefill_rows, tw, dw, state, rows, samp, want_logprobs=want_logprobs,
-                           stochastic=stochastic, token_mask=mask, grammar_drafts=drafts, dfa=dfa)
+                           stochastic=stochastic, token_mask=mask, grammar_drafts=drafts, dfa=dfa, kernels=kernels)
         return out, _trees(state, rows.slots), state, _put_rows(samp_all, rows.slots, samp)
 
     def fused(tw, dw, state, samp_all, slots, active, mask, stop, drafts=None, *, num_steps, want_logprobs,
@@ -253,7 +253,7 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         acc = step_lib.accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask=mask,
                               kernels=kernels, dfa=dfa)
         new = step_lib.draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic,
-                                  drafts)
+                                  drafts, kernels)
         return jax.tree.map(lambda x: x[None], acc.out), _trees(new, slots), new
 
     jit = functools.partial(jax.jit, static_argnames=_STATIC)

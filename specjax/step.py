@@ -92,6 +92,7 @@ from pallas_kernels.kv_compact import kv_compact
 from specjax import decode, drafter, ngram, sampling, tree as tree_lib, verify
 from specjax import device_dfa as dfa_lib
 from specjax import penalties as pen_lib
+from specjax import topk as topk_lib
 from specjax.drafter import DraftInfo
 from specjax.kernels import Kernels
 from specjax.kv_cache import KVCache, meta_at
@@ -260,14 +261,15 @@ def _force(spec, s, forced, tok, sc, q):
 
 
 def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logits_last, samp,
-          sample_drafts, pen_rows=None, forced=None, dfa=None):
+          sample_drafts, pen_rows=None, forced=None, dfa=None, topk_impl: str = "xla"):
     """Grow the next tree from the draft's output at the root (h_last [B, E], logits_last [B, Vd]).
     pen_rows: penalty rows of the batch (counts including the root) to draft from penalised logits.
     forced: [B, S] int32 grammar drafts of the first levels (grammar_levels; -1: the draft's own
     choice), fed to the draft like its own tokens. dfa: (device_dfa.DFAView, the roots' states [B]):
     the draft drafts from its logits masked by each frontier node's DFA state (an EAGLE-3 head in its
     own vocabulary: _draft_vocab_view; the proposals q of a sampled chain are those masked laws, so
-    verification stays exact). Returns (Tree, draft_probs [B, N, V] or None, kv)."""
+    verification stays exact). topk_impl: the top-k of each level (specjax.topk; Kernels.draft_topk).
+    Returns (Tree, draft_probs [B, N, V] or None, kv)."""
     S, k = spec.num_steps, spec.topk
     B = root.shape[0]
     V = target.embed[...].shape[0]
@@ -277,7 +279,13 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
     score = jnp.zeros((B, 1), jnp.float32)
     if pen_rows is not None:
         logits_last = pen_lib.apply(logits_last, pen_rows)
-    lp = jax.nn.log_softmax(logits_last, axis=-1)[:, None]  # [B, 1, Vd]
+    # "reduce" without DFA masks, in a tree: each level's k best and its log-softmax in one reduction
+    # (specjax.topk.top_k_log_softmax), the [B, F, Vd] log-probs never written; else the log-probs
+    fused = topk_impl == "reduce" and dfa is None and not spec.is_chain
+
+    def level(lg):  # [B, F, Vd] logits -> (log-probs [B, F, k], ids [B, F, k]) if fused, else log-probs
+        return topk_lib.top_k_log_softmax(lg, k, "reduce") if fused else jax.nn.log_softmax(lg, axis=-1)
+    lp = level(logits_last[:, None])  # [B, 1, Vd] (or the root's k best)
     if dfa is not None:
         dv, fstate = dfa[0], dfa[1][:, None]  # [B, F] DFA states of the frontier nodes
         mv = _draft_vocab_view(info, draft, dv, lp.shape[-1])
@@ -286,7 +294,10 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
     st_tok, st_score, st_par, qs = [], [], [], []
     fr = jnp.zeros((B, 1), jnp.int32)  # frontier: indices into the previous step's candidates
     for s in range(S):
-        tok, sc, local = tree_lib.expand_step(score, lp, k)  # [B, F*k] draft ids, scores, frontier idx
+        if fused:
+            tok, sc, local = tree_lib.expand_top(score, *lp)  # [B, F*k] draft ids, scores, frontier idx
+        else:
+            tok, sc, local = tree_lib.expand_step(score, lp, k, topk_impl)
         q = None
         if spec.is_chain:  # F = k = 1
             tok, q = _pick_chain(info, draft, lp[:, 0], samp, L + s + 1, V, sample_drafts)
@@ -304,7 +315,7 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
         if s == S - 1:
             break
         # feed the k best candidates (depth s + 1) as scratch entries Ld + s*k + f
-        fr = tree_lib.frontier(sc, k)  # [B, k]
+        fr = tree_lib.frontier(sc, k, topk_impl)  # [B, k]
         parent = jnp.take_along_axis(local, fr, axis=1)  # [B, k] index into the previous frontier
         own = jax.nn.one_hot(s * k + jnp.arange(k), W, dtype=bool)[None]  # [1, k, W]
         anc = jnp.take_along_axis(anc, parent[:, :, None], axis=1) | own  # [B, k, W]
@@ -318,7 +329,7 @@ def _grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logit
         lg = drafter.logits(info, draft, target, feat)  # [B, k, Vd]
         if pen_rows is not None:
             lg = pen_lib.apply(lg, pen_rows, path)
-        lp = jax.nn.log_softmax(lg, axis=-1)
+        lp = level(lg)
         if dfa is not None:
             fstate = jnp.take_along_axis(cstate, fr, axis=1)  # [B, k]
             lp = _mask_draft(info, lp, mv, fstate)
@@ -364,7 +375,7 @@ def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, 
 
 def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState,
                       rows: decode.PrefillRows, samp: SamplingArrays, want_logprobs=False, stochastic=True,
-                      token_mask=None, grammar_drafts=None, dfa=False):
+                      token_mask=None, grammar_drafts=None, dfa=False, kernels: Kernels = Kernels()):
     """Prefill pieces into the target and the draft; final rows sample the first token and grow the
     first tree. The penalty state (and DFA tables) of the admitted slots must already be written;
     dfa (static): the rows' device DFAs mask the first token and advance. token_mask: optional
@@ -411,14 +422,16 @@ def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state
     tree, probs, dkv = _grow(info, spec, draft, target, dkv, pt, ps, act * final, out.tokens, rows.start + rows.lens,
                              Ld, h_last, lg_last, samp, (stochastic if state.draft_probs is not None else False),
                              _draft_rows(info, pen, rows.slots), forced,
-                             _draft_dfa(info, state, jnp.clip(rows.slots, 0, max_slots - 1), roots))
+                             _draft_dfa(info, state, jnp.clip(rows.slots, 0, max_slots - 1), roots),
+                             kernels.draft_topk)
     draft_seq_lens = state.draft_seq_lens.at[rows.slots].set(Ld, mode="drop")
     return out, _store(state, fin, tree, probs, dkv, draft_seq_lens, cache, pen, dfa=tables)
 
 
 def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, tokens, lens, slots,
                  samp: SamplingArrays, want_logprobs=False, stochastic=True,
-                 penalty_params: PenaltyParams | None = None, token_mask=None, grammar_drafts=None):
+                 penalty_params: PenaltyParams | None = None, token_mask=None, grammar_drafts=None,
+                 kernels: Kernels = Kernels()):
     """Prefill ragged prompts (tokens [B, T], lens [B], slots [B]) into the target, sample the first
     token, seed the draft over the prompt and grow the first tree. penalty_params: the rows'
     penalties (needs state.penalties; None: off for these slots). token_mask: optional [B, W] grammar
@@ -426,7 +439,7 @@ def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: Spe
     Returns (decode.StepOut, state)."""
     state = admit_slots(state, tokens, lens, slots, penalty_params)
     return spec_prefill_rows(info, spec, tgd, tp, dgd, dp, state, decode.whole_prompts(tokens, lens, slots), samp,
-                             want_logprobs, stochastic, token_mask, grammar_drafts)
+                             want_logprobs, stochastic, token_mask, grammar_drafts, kernels=kernels)
 
 
 def admit_slots(state: SpecState, tokens, lens, slots, penalty_params: PenaltyParams | None = None) -> SpecState:
@@ -582,7 +595,7 @@ def _commit(info: DraftInfo, target, draft, state: SpecState, ver: Verified, acc
 
 
 def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecState, ver: Verified, acc: Accepted,
-               slots, active, samp, stochastic, grammar_drafts=None) -> SpecState:
+               slots, active, samp, stochastic, grammar_drafts=None, kernels: Kernels = Kernels()) -> SpecState:
     """Lengths update, penalty counts of the emitted tokens, draft extend over the accepted entries and
     the next tree -> the new state. grammar_drafts: optional [B, N, S + 1] int32, the grammar's
     continuation after each node of the verified tree (specjax.grammar_drafts), drafted into the
@@ -604,7 +617,7 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
                             state.draft_seq_lens[rs] + n, h_last, lg_last, samp,
                             (stochastic if state.draft_probs is not None else False),  # UNFILTERED kept
                             _draft_rows(info, new.penalties, rs), forced,
-                            _draft_dfa(info, state, rs, acc.dfa_state))
+                            _draft_dfa(info, state, rs, acc.dfa_state), kernels.draft_topk)
     return _store(new, upd, nxt, probs, dkv, new.draft_seq_lens, new.cache)
 
 
@@ -623,7 +636,7 @@ def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecSt
         acc = accept(spec, state, ver, slots, active, samp, want_logprobs, stochastic, token_mask, kernels, dfa)
     with jax.named_scope("draft"):
         new_state = draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic,
-                               grammar_drafts)
+                               grammar_drafts, kernels)
     return acc.out, new_state
 
 
@@ -684,4 +697,5 @@ def compile_spec_steps(info: DraftInfo, spec: SpecConfig, target_graphdef, targe
 
     jit = functools.partial(jax.jit, donate_argnums=(2,), static_argnames=("want_logprobs", "stochastic"))
     step_fn = bind(functools.partial(spec_step, kernels=kernels))
-    return SpecSteps(prefill=jit(bind(spec_prefill)), step=jit(step_fn)), t_leaves, d_leaves
+    return SpecSteps(prefill=jit(bind(functools.partial(spec_prefill, kernels=kernels))), step=jit(step_fn)), \
+        t_leaves, d_leaves

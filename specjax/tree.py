@@ -41,6 +41,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax import topk as topk_lib
+
 SPEC_METHODS = ("draft", "eagle", "eagle3", "ngram")
 
 
@@ -131,25 +133,35 @@ class Tree:
 # ----------------------------------------------------------------------------- growth
 
 
-def expand_step(parent_scores, child_logprobs, topk: int):
+def expand_step(parent_scores, child_logprobs, topk: int, impl: str = "xla"):
     """Expand frontier nodes by their ``topk`` best children.
 
     parent_scores   [B, F] float32: cumulative scores of the F frontier nodes (zeros for the root)
     child_logprobs  [B, F, V] float32: the draft's log-probs for each frontier node's next token
     Returns (tokens [B, F*topk] int32, scores [B, F*topk] float32, local_parent [B, F*topk] int32)
     where candidate ``j*topk + r`` is the r-th best child (ties -> lower token id) of frontier
-    node ``j`` and ``local_parent`` is ``j``.
+    node ``j`` and ``local_parent`` is ``j``. impl: the top-k implementation (specjax.topk.IMPLS; the
+    same results).
     """
-    b, f, _ = child_logprobs.shape
-    lp, tok = jax.lax.top_k(child_logprobs, topk)  # [B, F, k]
+    lp, tok = topk_lib.top_k(child_logprobs, topk, impl)  # [B, F, k]
+    return expand_top(parent_scores, lp, tok)
+
+
+def expand_top(parent_scores, lp, tok):
+    """expand_step from each frontier node's best children already chosen: lp [B, F, k] their log-probs,
+    tok [B, F, k] their draft ids, best first (e.g. specjax.topk.top_k_log_softmax)."""
+    b, f, topk = lp.shape
     scores = parent_scores[:, :, None].astype(jnp.float32) + lp.astype(jnp.float32)
     local = jnp.broadcast_to(jnp.arange(f, dtype=jnp.int32)[None, :, None], (b, f, topk))
     return (tok.astype(jnp.int32).reshape(b, f * topk), scores.reshape(b, f * topk),
             local.reshape(b, f * topk))
 
 
-def frontier(scores, topk: int):
-    """Indices [B, topk] int32 of the ``topk`` best candidates (ties -> lower index), best first."""
+def frontier(scores, topk: int, impl: str = "xla"):
+    """Indices [B, topk] int32 of the ``topk`` best candidates (ties -> lower index), best first.
+    impl "reduce": specjax.topk.top_k_reduce (the same indices) instead of a sort."""
+    if impl == "reduce":
+        return topk_lib.top_k_reduce(scores, topk)[1]
     order = jnp.argsort(-scores, axis=-1, stable=True)
     return order[:, :topk].astype(jnp.int32)
 

@@ -26,8 +26,8 @@ B = 3
 V = 9
 
 _select = jax.jit(select_tree, static_argnums=4)
-_expand = jax.jit(expand_step, static_argnums=2)
-_frontier = jax.jit(frontier, static_argnums=1)
+_expand = jax.jit(expand_step, static_argnums=(2, 3))
+_frontier = jax.jit(frontier, static_argnums=(1, 2))
 _chain = jax.jit(chain_tree)
 _accept = jax.jit(greedy_accept)
 _positions = jax.jit(positions)
@@ -72,19 +72,20 @@ def brute_force_eagle2(seed, num_steps, topk, m, quantized):
     return [c["path"] for c in kept]
 
 
-def jax_eagle2(seeds, root_tokens, num_steps, topk, m, quantized):
-    """The same growth through expand_step/frontier (host loop only to query the draft)."""
+def jax_eagle2(seeds, root_tokens, num_steps, topk, m, quantized, impl="xla"):
+    """The same growth through expand_step/frontier (host loop only to query the draft); impl: their
+    top-k (specjax.topk)."""
     lp0 = np.stack([draft_logprobs(sd, (), quantized) for sd in seeds])[:, None, :]
-    tok, sc, _ = _expand(jnp.zeros((B, 1), jnp.float32), jnp.asarray(lp0), topk)
+    tok, sc, _ = _expand(jnp.zeros((B, 1), jnp.float32), jnp.asarray(lp0), topk, impl)
     step_tokens, step_scores = [tok], [sc]
     step_parents = [jnp.full(tok.shape, -1, jnp.int32)]
     paths = [[(int(t),) for t in row] for row in np.asarray(tok)]  # per row, per candidate
     for _ in range(1, num_steps):
-        fr = _frontier(step_scores[-1], topk)  # [B, k]
+        fr = _frontier(step_scores[-1], topk, impl)  # [B, k]
         fr_np = np.asarray(fr)
         lp = np.stack([np.stack([draft_logprobs(seeds[b], paths[b][j], quantized) for j in fr_np[b]])
                        for b in range(B)])
-        tok, sc, local = _expand(jnp.take_along_axis(step_scores[-1], fr, axis=1), jnp.asarray(lp), topk)
+        tok, sc, local = _expand(jnp.take_along_axis(step_scores[-1], fr, axis=1), jnp.asarray(lp), topk, impl)
         par = jnp.take_along_axis(fr, local, axis=1)
         tok_np, par_np = np.asarray(tok), np.asarray(par)
         paths = [[paths[b][par_np[b, c]] + (int(tok_np[b, c]),) for c in range(tok.shape[1])]
@@ -137,13 +138,14 @@ def _case_sizes(k, s):
 CASES = [(k, s, m) for k in range(1, 5) for s in range(1, 6) for m in _case_sizes(k, s)]
 
 
+@pytest.mark.parametrize("impl", ["xla", "reduce"])
 @pytest.mark.parametrize("quantized", [False, True])
-def test_select_tree_matches_brute_force(quantized):
+def test_select_tree_matches_brute_force(quantized, impl):
     rnd = random.Random(1234 + quantized)
     for topk, num_steps, m in CASES:
         seeds = [rnd.randrange(1 << 30) for _ in range(B)]
         root_tokens = np.array([rnd.randrange(V) for _ in range(B)], np.int32)
-        tree, _ = jax_eagle2(seeds, root_tokens, num_steps, topk, m, quantized)
+        tree, _ = jax_eagle2(seeds, root_tokens, num_steps, topk, m, quantized, impl)
         assert tree.tokens.shape == (B, m + 1) and tree.max_depth == num_steps
         check_tree_invariants(tree, root_tokens)
         tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
