@@ -23,6 +23,7 @@ from jax import export
 from specjax import attention, programs as prog
 from specjax.decode import DecodeState, whole_prompts
 from specjax.drafter import DraftInfo
+from specjax.kernels import Kernels
 from specjax.kv_cache import init_cache
 from specjax.sampling import SamplingArrays
 from specjax.step import init_spec_state
@@ -90,8 +91,9 @@ def _eagle3_head(cfg):
     return EagleHead(ecfg, jnp.bfloat16, nnx.Rngs(1)), ecfg
 
 
-@pytest.mark.parametrize("method", ["draft", "eagle3"])
-def test_spec_programs_export_for_tpu(method):
+@pytest.mark.parametrize("method,topk_impl", [("draft", "xla"), ("eagle3", "xla"), ("eagle3", "reduce")])
+def test_spec_programs_export_for_tpu(method, topk_impl):
+    """topk_impl: the draft's top-k (Kernels.draft_topk; "reduce": one variadic reduction per level)."""
     dtype = jnp.bfloat16
     cfg = _cfg()
     target, _ = _for_tpu(tiny_model(cfg, dtype=dtype), cfg, dtype, PS)
@@ -102,7 +104,8 @@ def test_spec_programs_export_for_tpu(method):
         draft, _ = _for_tpu(head, ecfg.layer, dtype, PS)
         dcfg, info = ecfg.layer, DraftInfo("eagle3", ecfg.aux_layers)
     spec = SpecConfig(method=method, num_steps=3, topk=2, num_draft_tokens=6)  # a tree: compaction runs
-    progs, tw, dw = prog.spec_programs(info, spec, *nnx.split(target), *nnx.split(draft))
+    progs, tw, dw = prog.spec_programs(info, spec, *nnx.split(target), *nnx.split(draft),
+                                       kernels=Kernels(draft_topk=topk_impl))
     pages = B * MAX_SEQ // PS + 1
     cache = init_cache(cfg, num_pages=pages, page_size=PS, max_slots=B, max_seq_len=MAX_SEQ, dtype=dtype)
     dkv = init_cache(dcfg, num_pages=pages, page_size=PS, max_slots=B, max_seq_len=MAX_SEQ, dtype=dtype).kv
@@ -118,6 +121,7 @@ def test_spec_programs_export_for_tpu(method):
     text = _export(progs.step, tw, dw, state, _samp(B), slots, active, None, prog.no_stop(B), num_steps=1, **flags)
     assert _kernel_calls(text) == L + Ld * spec.num_steps
     assert "compact" in text  # the compaction's named scope is in the program
+    assert ("chlo.top_k" in text) == (topk_impl == "xla"), topk_impl  # "reduce": no TopK op left
     verified_shapes = jax.eval_shape(progs.verify, tw, state, slots, active)
     text = _export(progs.verify, tw, state, slots, active)
     assert _kernel_calls(text) == L
