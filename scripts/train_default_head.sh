@@ -50,7 +50,7 @@ BATCH=${BATCH:-16}  # rows per GPU
 SEQ_LEN=${SEQ_LEN:-1024}
 LR=${LR:-6e-4}
 TTT=${TTT:-7}
-DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
+DRAFT_VOCAB=${DRAFT_VOCAB:-}  # empty: 16384, or INIT_HEAD's; larger than INIT_HEAD's: grown (train_eagle.py --draft-vocab)
 SEED=${SEED:-0}  # prompts, sampling and data order (a new seed: new prompts and responses)
 INIT_HEAD=${INIT_HEAD:-}  # continue training this exported head (its weights and draft vocabulary)
 WARMUP=${WARMUP:-200}
@@ -96,7 +96,7 @@ echo "== train: $STEPS steps (budget ${TRAIN_BUDGET}s), batch $GPUS x $BATCH x $
 "$PY" scripts/train_eagle.py train --data "$RUN/data" --work "$RUN/work" --export "$OUT" --resume \
   --steps "$STEPS" --batch-size "$BATCH" --devices "$GPUS" --seq-len "$SEQ_LEN" --lr "$LR" --warmup "$WARMUP" --seed "$SEED" \
   ${INIT_HEAD:+--init-head "$INIT_HEAD"} \
-  --ttt-steps "$TTT" --draft-vocab "$DRAFT_VOCAB" --ckpt-every 1000 --log-every 50 --eval-every 500 \
+  --ttt-steps "$TTT" ${DRAFT_VOCAB:+--draft-vocab "$DRAFT_VOCAB"} --ckpt-every 1000 --log-every 50 --eval-every 500 \
   --heldout 0.01 --time-budget "$TRAIN_BUDGET" --export-dtype bfloat16 --no-progress
 echo "== train stage: $((SECONDS - T2)) s; total $((SECONDS - T0)) s"
 {
