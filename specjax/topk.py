@@ -10,6 +10,8 @@ sort of the k survivors). Merging is associative and commutative under the total
 first, ties to the lower index", so XLA may reduce in any order and tree shape, and the result equals
 lax.top_k's exactly: the same values and indices, ties to the lower index (tests/test_topk.py).
 k is rounded up to a power of two inside (the merge network needs one) and the extra entries dropped.
+`top_k_log_softmax` adds a running (max, sum of exponentials) pair to the accumulator (an online
+log-sum-exp: associative up to float rounding), so a tree level's log-softmax and top-k are one reduction.
 
     top_k_reduce(x [..., V], k) -> (values [..., k] x.dtype, indices [..., k] int32)
 
@@ -100,7 +102,8 @@ def top_k_log_softmax(x, k: int, impl: str = "xla"):
     """(log-probs [..., k] float32, indices [..., k] int32) of the k best entries of log_softmax(x) over the
     last axis (ties to the lower index). "reduce": the top-k and the log-sum-exp in the same one
     reduction (online: running max and rescaled sum), so the [..., V] log-probs are never written; its
-    log-probs equal log_softmax's up to float rounding (tests: within 1e-6). "xla": lax.top_k of
+    log-probs equal log_softmax's up to float rounding (the sum of V exponentials in another order;
+    tests: within 1e-4). "xla": lax.top_k of
     jax.nn.log_softmax(x). A row of -inf only: -inf log-probs."""
     if impl == "xla":
         return top_k(jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), k, "xla")
