@@ -42,6 +42,7 @@ import jax  # noqa: E402
 
 from specjax import LLM, SamplingParams  # noqa: E402
 from specjax.assets import DEFAULT_HEAD_DIR  # noqa: E402
+from specjax.topk import IMPLS as topk_impls  # noqa: E402
 from specjax.tree import SpecConfig  # noqa: E402
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--draft-topk", choices=("xla", "reduce"), default=None,
+    p.add_argument("--draft-topk", choices=topk_impls, default=None,
                    help="the draft's top-k (specjax.kernels.DRAFT_TOPK; default: the engine's)")
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--top", type=int, default=25)

@@ -198,17 +198,18 @@ class Engine(GrammarSteps, DFASteps):
         if kv_compact_impl not in KV_COMPACT_CHOICES:
             raise ValueError(f"kv_compact_impl must be one of {KV_COMPACT_CHOICES}, got {kv_compact_impl!r}")
         spec = None if self.draft is None else self.draft.spec
+        topk = kernels_lib.draft_topk()
+        topk_note = "" if spec is None else f"; draft top-k: {topk}"
         if spec is None or spec.is_chain:  # a chain's accepted path is already in place
             unused = "" if kv_compact_impl == "auto" else f"; {kv_compact_impl!r} was asked for"
-            return Kernels(draft_topk=kernels_lib.DRAFT_TOPK), \
-                f"not used ({'plain decoding' if spec is None else 'chain'}{unused})"
+            return Kernels(draft_topk=topk), \
+                f"not used ({'plain decoding' if spec is None else 'chain'}{unused}){topk_note}"
         rows = bucket(max(self.batch_opts.max_batch, 2), 2, max(2, self.batch_opts.max_batch))  # largest step batch
         page_shape = (num_pages, self.cache_opts.page_size, 2, self.cfg.num_kv_heads, self.cfg.head_dim)
         args = compact_shapes(self.cfg.num_layers, page_shape, dtype, rows, self.sched.pages_per_slot,
                               spec.num_steps + 1)
         impl, note = choose_kv_compact(kv_compact_impl, args)
-        return Kernels(kv_compact=impl, draft_topk=kernels_lib.DRAFT_TOPK), f"{impl} ({note}); draft top-k: " \
-            f"{kernels_lib.DRAFT_TOPK}"
+        return Kernels(kv_compact=impl, draft_topk=topk), f"{impl} ({note}){topk_note}"
 
     def _describe(self, dtype, num_pages: int, kernel_note: str) -> str:
         """The engine's info line: decoding mode, cache layout, kernels."""

@@ -39,6 +39,14 @@ GPU_ORDER = ("mosaic", "mosaic:pallas_call", "pallas")  # what "auto" tries on G
 DRAFT_TOPK = "xla"  # the draft top-k every engine runs (specjax.topk.IMPLS)
 
 
+def draft_topk() -> str:
+    """DRAFT_TOPK, checked (called once at engine start: an unknown name fails there, not in a trace)."""
+    from specjax.topk import IMPLS
+    if DRAFT_TOPK not in IMPLS:
+        raise ValueError(f"specjax.kernels.DRAFT_TOPK must be one of {IMPLS}, got {DRAFT_TOPK!r}")
+    return DRAFT_TOPK
+
+
 class KernelError(ValueError):
     """An implementation forced by the user cannot run here."""
 

@@ -103,8 +103,8 @@ def top_k_log_softmax(x, k: int, impl: str = "xla"):
     last axis (ties to the lower index). "reduce": the top-k and the log-sum-exp in the same one
     reduction (online: running max and rescaled sum), so the [..., V] log-probs are never written; its
     log-probs equal log_softmax's up to float rounding (the sum of V exponentials in another order;
-    tests: within 1e-4). "xla": lax.top_k of
-    jax.nn.log_softmax(x). A row of -inf only: -inf log-probs."""
+    tests: within 1e-4). "xla": lax.top_k of jax.nn.log_softmax of x in float32 (the tree growth's
+    own "xla" path takes the log-softmax in the logits' dtype). A row of -inf only: -inf log-probs."""
     if impl == "xla":
         return top_k(jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), k, "xla")
     if impl != "reduce":
@@ -122,5 +122,3 @@ def top_k(x, k: int, impl: str = "xla"):
     if impl == "reduce":
         return top_k_reduce(x, k)
     raise ValueError(f"top-k implementation must be one of {IMPLS}, got {impl!r}")
-
-

@@ -52,6 +52,12 @@ def test_reduce_edge_cases():
         top_k(jnp.zeros((2, 10)), 2, "sort")
 
 
+def test_unknown_draft_topk_fails_at_engine_start(monkeypatch):
+    monkeypatch.setattr(kernels_lib, "DRAFT_TOPK", "sort")
+    with pytest.raises(ValueError, match=r"DRAFT_TOPK must be one of \('xla', 'reduce'\), got 'sort'"):
+        kernels_lib.draft_topk()
+
+
 @pytest.mark.parametrize("shape,k,scale", [((4, 16384), 4, 4.0), ((2, 3, 100), 3, 1.0), ((2, 50), 8, 10.0),
                                            ((1, 7), 7, 1.0)])
 def test_log_softmax_in_the_reduction(shape, k, scale):
