@@ -15,7 +15,8 @@ a choice never changes under a compiled program).
 
       -> draft_topk: DRAFT_TOPK ("xla": lax.top_k; "reduce": specjax.topk, one variadic reduction
                  instead of XLA's TopK custom call (the same ids), in a tree without grammar masks with
-                 the level's log-softmax inside it; not yet measured on the GPU, so not the default)
+                 the level's log-softmax inside it; "auto": "reduce" on GPU, where it took 43 us off a
+                 1 289 us SmolLM2 fused step (H200, docs/benchmarks.md), "xla" elsewhere (unmeasured))
                  -> the tree growth (specjax.step._grow)
 
 Attention is dispatched in specjax.attention.
@@ -36,14 +37,17 @@ KV_COMPACT_CHOICES = ("auto",) + kvc.IMPLS
 GPU_ORDER = ("mosaic", "mosaic:pallas_call", "pallas")  # what "auto" tries on GPU, in order
 
 
-DRAFT_TOPK = "xla"  # the draft top-k every engine runs (specjax.topk.IMPLS)
+DRAFT_TOPK = "auto"  # the draft top-k every engine runs: "auto" or one of specjax.topk.IMPLS
 
 
-def draft_topk() -> str:
-    """DRAFT_TOPK, checked (called once at engine start: an unknown name fails there, not in a trace)."""
+def draft_topk(backend: str | None = None) -> str:
+    """DRAFT_TOPK resolved for `backend` (default: JAX's) and checked (called once at engine start: an
+    unknown name fails there, not in a trace)."""
     from specjax.topk import IMPLS
+    if DRAFT_TOPK == "auto":
+        return "reduce" if (backend or jax.default_backend()) == "gpu" else "xla"
     if DRAFT_TOPK not in IMPLS:
-        raise ValueError(f"specjax.kernels.DRAFT_TOPK must be one of {IMPLS}, got {DRAFT_TOPK!r}")
+        raise ValueError(f"specjax.kernels.DRAFT_TOPK must be 'auto' or one of {IMPLS}, got {DRAFT_TOPK!r}")
     return DRAFT_TOPK
 
 

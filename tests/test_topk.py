@@ -52,9 +52,14 @@ def test_reduce_edge_cases():
         top_k(jnp.zeros((2, 10)), 2, "sort")
 
 
-def test_unknown_draft_topk_fails_at_engine_start(monkeypatch):
+def test_draft_topk_choice(monkeypatch):
+    assert kernels_lib.DRAFT_TOPK == "auto"  # the default: the reduction where it was measured faster
+    assert kernels_lib.draft_topk("gpu") == "reduce" and kernels_lib.draft_topk("cpu") == "xla"
+    assert kernels_lib.draft_topk("tpu") == "xla"
+    monkeypatch.setattr(kernels_lib, "DRAFT_TOPK", "reduce")
+    assert kernels_lib.draft_topk("cpu") == "reduce"  # a forced choice holds on every backend
     monkeypatch.setattr(kernels_lib, "DRAFT_TOPK", "sort")
-    with pytest.raises(ValueError, match=r"DRAFT_TOPK must be one of \('xla', 'reduce'\), got 'sort'"):
+    with pytest.raises(ValueError, match=r"DRAFT_TOPK must be 'auto' or one of \('xla', 'reduce'\), got 'sort'"):
         kernels_lib.draft_topk()
 
 
