@@ -11,8 +11,10 @@ that every variant returns what `lax.top_k` returns (values and ids, ties to the
 Measured on an H200 (docs/benchmarks.md, 2026-11-26): alone, k argmax rounds took 2-6 us against
 13-18 us for the custom call; inside the fused step (scripts/profile_step.py) the rounds cost as
 much as the calls they replaced (+36 kernels, -3 us per step), so the step keeps `lax.top_k`.
-"reduce" is specjax.topk.top_k_reduce (one kernel per call; not measured yet); the "+log_softmax" variants
-compute what a draft level needs from its logits (specjax.topk.top_k_log_softmax).
+"reduce" is specjax.topk.top_k_reduce (one kernel per call; measured 2026-11-27: 8-13 us at 16 384 ids),
+"reduce/sN" the same in two reductions (first over N chunks of the vocabulary; measured 2026-11-27: no
+split was faster at every row count, so the engine keeps one reduction); the "+log_softmax"
+variants compute what a draft level needs from its logits (specjax.topk.top_k_log_softmax).
 """
 from __future__ import annotations
 
@@ -57,6 +59,9 @@ VARIANTS = {"xla": topk_xla, "argmax": topk_argmax, "chunked256": topk_chunked,
             # with the log-softmax the tree needs: what one draft level computes from its logits
             "xla+log_softmax": lambda x, k: top_k_log_softmax(x, k, "xla"),
             "reduce+log_softmax": lambda x, k: top_k_log_softmax(x, k, "reduce")}
+for _n in (4, 8, 16, 32, 64):  # two reductions: over n chunks of the vocabulary, then over the chunks
+    VARIANTS[f"reduce/s{_n}"] = lambda x, k, n=_n: top_k_reduce(x, k, n)
+    VARIANTS[f"reduce/s{_n}+log_softmax"] = lambda x, k, n=_n: top_k_log_softmax(x, k, "reduce", n)
 
 
 def chain(fn, k, n):
@@ -110,7 +115,7 @@ def main():
                 same = bool(jnp.array_equal(got[0], ref[0]) and jnp.array_equal(got[1], ref[1]))
             t = timed(chain(fn, a.k, a.chain), x)
             row[name] = {"us_per_call": (t - base) / a.chain * 1e6, "same_as_lax_top_k": same}
-            print(f"rows {r:4d} {name:12s} {(t - base) / a.chain * 1e6:8.2f} us/call  same={same}")
+            print(f"rows {r:4d} {name:22s} {(t - base) / a.chain * 1e6:8.2f} us/call  same={same}")
         out.append(row)
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)
