@@ -81,8 +81,9 @@ def _reduce(x, k: int, lse: bool, split: int = 1):
         raise ValueError(f"top_k_reduce: split={split} must be >= 1")
     kp = 1 << (k - 1).bit_length()
     low = jnp.array(-jnp.inf, x.dtype)
-    idx = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    if split > 1:
+    if split == 1:
+        idx = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    else:
         chunk = -(-V // split)
         pad = [(0, 0)] * (x.ndim - 1) + [(0, chunk * split - V)]
         x = jnp.pad(x, pad, constant_values=-jnp.inf).reshape(*x.shape[:-1], split, chunk)
