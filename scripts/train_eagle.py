@@ -160,7 +160,8 @@ def run_prompts(a) -> None:
     else:
         n_pass, _ = prompts.worker_share(a.passages, a.seed, i, n)
         rows = prompts.passage_prompts(n_pass, seed=a.seed, part=(i, n)) if n_pass else []
-        print(f"[prompts] {len(rows)} passage prompts in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        if n_pass:  # (the self-instruct process of train_default_head.sh asks for none)
+            print(f"[prompts] {len(rows)} passage prompts in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         n_schemas, seed = prompts.worker_share(a.schemas, a.seed, i, n)
         if n_schemas:
             from specjax.train.schemas import schema_prompts
