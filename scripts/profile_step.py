@@ -42,7 +42,7 @@ import jax  # noqa: E402
 
 from specjax import LLM, SamplingParams  # noqa: E402
 from specjax.assets import DEFAULT_HEAD_DIR  # noqa: E402
-from specjax.topk import IMPLS as topk_impls  # noqa: E402
+from specjax.kernels import DRAFT_TOPK_CHOICES  # noqa: E402
 from specjax.tree import SpecConfig  # noqa: E402
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
@@ -185,8 +185,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--draft-topk", choices=topk_impls, default=None,
-                   help="the draft's top-k (specjax.kernels.DRAFT_TOPK; default: the engine's)")
+    p.add_argument("--draft-topk", choices=DRAFT_TOPK_CHOICES, default="auto",
+                   help="the draft's top-k (LLM(draft_topk=...); auto: the engine's choice)")
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--ops", type=int, default=0, help="also print the N costliest instructions (op_name, kernel)")
@@ -208,10 +208,8 @@ def main(argv=None) -> int:
         from specjax.llm import draft_method
         kw["spec"] = SpecConfig(method=draft_method(draft), num_steps=a.num_steps, topk=a.topk or 1,
                                 num_draft_tokens=a.num_draft_tokens or a.num_steps)
-    if a.draft_topk:
-        from specjax import kernels
-        kernels.DRAFT_TOPK = a.draft_topk
-    llm = LLM(a.model, dtype=a.dtype, max_batch=max(batches), max_seq_len=2048, draft=draft, **kw)
+    llm = LLM(a.model, dtype=a.dtype, max_batch=max(batches), max_seq_len=2048, draft=draft,
+              draft_topk=a.draft_topk, **kw)
     smap, rows = {}, []
     for b in batches:
         rows.append(run(llm, b, a.max_tokens, a.temperature, a.depth, a.module_re, a.top, smap, a.ops))

@@ -123,6 +123,7 @@ def _prepare(row: dict, llm, chat: bool):
 
 CONSTRAINT_KEYS = ("json_schema", "regex", "grammar", "choice")
 KV_COMPACT_CHOICES = ("auto", "reference", "pallas", "mosaic", "mosaic:pallas_call")  # specjax.kernels (no jax here)
+DRAFT_TOPK_CHOICES = ("auto", "xla", "reduce")  # specjax.kernels
 
 
 def _read_text(path: str, flag: str) -> str:
@@ -200,6 +201,9 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                    help="KV compaction kernel of draft trees; auto: chosen once at start (a GPU kernel that "
                         "compiles, else the jnp reference); others are forced (an error if one does not "
                         "compile here). The engine's info line on stderr names the one that runs")
+    g.add_argument("--draft-topk", choices=DRAFT_TOPK_CHOICES, default="auto",
+                   help="the draft tree's per-level top-k; auto: one variadic reduction on GPU, lax.top_k "
+                        "elsewhere (the same results); the info line names it")
     g.add_argument("--ngram-max", type=positive_int, default=4, help="n-gram drafter: longest suffix matched")
     g.add_argument("--ngram-min", type=positive_int, default=1, help="n-gram drafter: shortest suffix matched")
     from specjax.engine import BatchOptions
@@ -277,6 +281,7 @@ def llm_from_args(a, **more):
                                                   dfa_max_classes=a.dfa_max_classes))
     return LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft,
                spec=a.spec, tensor_parallel=a.tensor_parallel, kv_compact_impl=a.kv_compact_impl,
+               draft_topk=a.draft_topk,
                attention=a.attention, prefix_cache=a.prefix_cache, max_prefill_tokens=a.max_prefill_tokens,
                prefill_chunk=a.prefill_chunk, steps_per_call=a.steps_per_call,
                spec_steps_per_call=a.spec_steps_per_call,

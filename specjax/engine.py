@@ -98,14 +98,17 @@ def _as_rows(kind: str, x) -> np.ndarray:
 class Engine(GrammarSteps, DFASteps):
     def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
                  draft: Draft | None = None, mesh=None, sched: SchedulerOptions | None = None, grammar=None,
-                 kv_compact_impl: str = "auto", attention: str | attn_lib.AttnImpl = "auto"):
+                 kv_compact_impl: str = "auto", attention: str | attn_lib.AttnImpl = "auto",
+                 draft_topk: str = "auto"):
         """mesh: a specjax.sharding mesh for tensor parallelism (None: one device). Weights are placed
         in their shardings and the device state is created sharded; the steps run unchanged (GSPMD).
         sched: SchedulerOptions (async loop, grammar overlap). grammar: a specjax.grammar.GrammarCompiler
         for constrained requests, or a callable building one on first use (None: they fail).
         kv_compact_impl: compaction of accepted tree paths, "auto" or one to force (specjax.kernels;
-        a forced one that does not compile raises KernelError). The choice is `self.kernels`, reported
-        in `self.info` (logged at INFO on the "specjax" logger).
+        a forced one that does not compile raises KernelError). draft_topk: the draft tree's per-level
+        top-k, "auto" (the one-reduction top-k on GPU, lax.top_k elsewhere), "xla" or "reduce" (the same
+        results; specjax.kernels.choose_draft_topk). The choices are `self.kernels`, reported in
+        `self.info` (logged at INFO on the "specjax" logger).
         attention: the paged-attention implementation ("auto", or a name of specjax.attention; an
         AttnImpl to force one with its settings, e.g. AttnImpl("pallas", interpret=True) on CPU),
         chosen here once for the target and the draft; `self.attention_choice` says what runs and why.
@@ -147,7 +150,7 @@ class Engine(GrammarSteps, DFASteps):
                                prefill_chunk=batch_opts.prefill_chunk, ahead=ahead, advance=advance, tail=tail,
                                prefix_caching=cache_opts.prefix_cache,
                                key_shift=draft.info.shift if draft is not None and draft.info.has_model else 0)
-        self.kernels, kernel_note = self._choose_kernels(kv_compact_impl, num_pages, dtype)
+        self.kernels, kernel_note = self._choose_kernels(kv_compact_impl, draft_topk, num_pages, dtype)
         if draft is None:
             self.steps, self.weights = prog.plain_programs(*nnx.split(model))
         else:
@@ -193,12 +196,12 @@ class Engine(GrammarSteps, DFASteps):
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
 
-    def _choose_kernels(self, kv_compact_impl: str, num_pages: int, dtype) -> tuple[Kernels, str]:
+    def _choose_kernels(self, kv_compact_impl: str, draft_topk: str, num_pages: int, dtype) -> tuple[Kernels, str]:
         """The kernel implementations of this engine's programs, chosen once, here (specjax.kernels)."""
         if kv_compact_impl not in KV_COMPACT_CHOICES:
             raise ValueError(f"kv_compact_impl must be one of {KV_COMPACT_CHOICES}, got {kv_compact_impl!r}")
         spec = None if self.draft is None else self.draft.spec
-        topk = kernels_lib.draft_topk()
+        topk = kernels_lib.choose_draft_topk(draft_topk)
         topk_note = "" if spec is None else f"; draft top-k: {topk}"
         if spec is None or spec.is_chain:  # a chain's accepted path is already in place
             unused = "" if kv_compact_impl == "auto" else f"; {kv_compact_impl!r} was asked for"

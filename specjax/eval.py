@@ -111,10 +111,12 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
              topk: int | None = None,
              num_draft_tokens: int | None = None, ngram_max: int = 4, ngram_min: int = 1, max_batch: int = 1,
              max_tokens: int = MAX_TOKENS, dtype: str = "auto", max_seq_len: int = 2048,
-             chat: bool | None = None, warmup_tokens: int = 8, min_accept="auto", log=print) -> dict:
+             chat: bool | None = None, warmup_tokens: int = 8, min_accept="auto", draft_topk: str = "auto",
+             log=print) -> dict:
     """Plain vs speculative greedy decoding per category, the same tokens per prompt (EOS ignored)
     -> summary dict (see module doc). draft: a draft directory, "self" or "ngram"; min_accept: the
-    speculative LLM's acceptance gate (LLM(min_accept=...), specjax.adaptive)."""
+    speculative LLM's acceptance gate (LLM(min_accept=...), specjax.adaptive); draft_topk: its draft
+    tree's top-k (LLM(draft_topk=...))."""
     import dataclasses
 
     from specjax import LLM, SamplingParams
@@ -129,7 +131,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
                               num_draft_tokens=num_draft_tokens, ngram_max=ngram_max, ngram_min=ngram_min)
     plain = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len)
     spec = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len, draft=draft, spec=spec_cfg,
-               min_accept=min_accept)
+               min_accept=min_accept, draft_topk=draft_topk)
     spec_cfg = spec.spec
     num_steps, topk = spec_cfg.num_steps, spec_cfg.topk
     vocab = draft_vocab_ids(draft, method, plain.cfg)
@@ -371,7 +373,7 @@ def plot(summary: dict, png: str | Path) -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specjax.cli import HelpFormatter, min_accept_arg
+    from specjax.cli import DRAFT_TOPK_CHOICES, HelpFormatter, min_accept_arg
     from specjax.machine import DTYPE_CHOICES
     p.formatter_class = HelpFormatter  # --help shows the defaults (also for scripts/eval_acceptance.py)
     p.add_argument("--model", default=None, help="converted model dir (default: SmolLM2-135M-Instruct)")
@@ -402,6 +404,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="acceptance gate of the speculative runs: plain (lite) steps while the measured tokens "
                    "per fused step stay below TAU ('none': always fused steps; default: the n-gram drafter's "
                    "break-even, or the draft's spec_defaults)")
+    p.add_argument("--draft-topk", choices=DRAFT_TOPK_CHOICES, default="auto",
+                   help="the draft tree's per-level top-k (auto: one variadic reduction on GPU, lax.top_k elsewhere)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="compute dtype; auto: float32 on the CPU, bfloat16 on GPUs and TPUs")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context length")
@@ -468,6 +472,7 @@ def cmd_eval(a) -> int:
                        num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max, ngram_min=a.ngram_min,
                        max_batch=a.max_batch, max_tokens=a.max_tokens, dtype=a.dtype, max_seq_len=a.max_seq_len,
                        chat=False if a.raw else None, warmup_tokens=a.warmup_tokens, min_accept=a.min_accept,
+                       draft_topk=a.draft_topk,
                        log=log)
     ids = summary.pop("prompt_ids")
     if a.hf_baseline:

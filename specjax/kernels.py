@@ -13,11 +13,13 @@ a choice never changes under a compiled program).
                    KernelError (never replaced by another)
       -> Kernels(kv_compact=...) -> specjax.step.accept (compaction of accepted tree paths)
 
-      -> draft_topk: DRAFT_TOPK ("xla": lax.top_k; "reduce": specjax.topk, one variadic reduction
-                 instead of XLA's TopK custom call (the same ids), in a tree without grammar masks with
-                 the level's log-softmax inside it; "auto": "reduce" on GPU, where it took 43 us off a
-                 1 289 us SmolLM2 fused step (H200, docs/benchmarks.md), "xla" elsewhere (unmeasured))
-                 -> the tree growth (specjax.step._grow)
+    Engine(..., draft_topk="auto")
+      -> choose_draft_topk("auto" | "xla" | "reduce"): "xla": lax.top_k; "reduce": specjax.topk, one
+                 variadic reduction instead of XLA's TopK custom call (the same ids), in a tree without
+                 grammar masks with the level's log-softmax inside it; "auto": "reduce" on GPU, where it
+                 took 43 us off a 1 289 us SmolLM2 fused step (H200, docs/benchmarks.md), "xla"
+                 elsewhere (unmeasured)
+      -> Kernels(draft_topk=...) -> the tree growth (specjax.step._grow)
 
 Attention is dispatched in specjax.attention.
 """
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_compact as kvc
+from specjax.topk import IMPLS as TOPK_IMPLS
 
 log = logging.getLogger("specjax")
 
@@ -37,18 +40,17 @@ KV_COMPACT_CHOICES = ("auto",) + kvc.IMPLS
 GPU_ORDER = ("mosaic", "mosaic:pallas_call", "pallas")  # what "auto" tries on GPU, in order
 
 
-DRAFT_TOPK = "auto"  # the draft top-k every engine runs: "auto" or one of specjax.topk.IMPLS
+DRAFT_TOPK_CHOICES = ("auto",) + TOPK_IMPLS
 
 
-def draft_topk(backend: str | None = None) -> str:
-    """DRAFT_TOPK resolved for `backend` (default: JAX's) and checked (called once at engine start: an
-    unknown name fails there, not in a trace)."""
-    from specjax.topk import IMPLS
-    if DRAFT_TOPK == "auto":
+def choose_draft_topk(requested: str, backend: str | None = None) -> str:
+    """The draft top-k an engine runs for `requested` on `backend` (default: JAX's); checked once at
+    engine start, so an unknown name fails there, not in a trace. A forced name holds everywhere."""
+    if requested not in DRAFT_TOPK_CHOICES:
+        raise ValueError(f"draft_topk must be one of {DRAFT_TOPK_CHOICES}, got {requested!r}")
+    if requested == "auto":
         return "reduce" if (backend or jax.default_backend()) == "gpu" else "xla"
-    if DRAFT_TOPK not in IMPLS:
-        raise ValueError(f"specjax.kernels.DRAFT_TOPK must be 'auto' or one of {IMPLS}, got {DRAFT_TOPK!r}")
-    return DRAFT_TOPK
+    return requested
 
 
 class KernelError(ValueError):

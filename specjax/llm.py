@@ -104,7 +104,7 @@ class LLM:
                  steps_per_call: int = BatchOptions.steps_per_call,
                  spec_steps_per_call: int = BatchOptions.spec_steps_per_call, adaptive_steps: bool = False,
                  speculate_below: int | None | str = "auto", min_accept: float | None | str = "auto",
-                 fused_min_rows: int = BatchOptions.fused_min_rows):
+                 fused_min_rows: int = BatchOptions.fused_min_rows, draft_topk: str = "auto"):
         """dtype: "auto" (float32 on the CPU, bfloat16 on GPUs and TPUs), "bfloat16" or "float32".
         draft: None (plain decoding), "self" (the target drafts for itself: for testing), "ngram"
         (prompt lookup: drafts copied from the request's own text, no weights; specjax.ngram), the
@@ -117,7 +117,8 @@ class LLM:
         kv_compact_impl: KV compaction of accepted tree paths: "auto" (chosen once at start: a GPU
         kernel that compiles, else the jnp reference), or "reference" / "pallas" / "mosaic" /
         "mosaic:pallas_call" to force one (raises if it does not compile). `llm.engine.info` (logged at
-        INFO on the "specjax" logger) says which one runs.
+        INFO on the "specjax" logger) says which one runs. draft_topk: the draft tree's per-level top-k,
+        "auto" (one variadic reduction on GPU, lax.top_k elsewhere), "xla" or "reduce"; the same results.
         attention: paged-attention implementation ("auto": the Mosaic GPU kernel on Hopper (cuDNN
         for plain decoding with max_batch 1 and on other GPUs), the TPU kernel on TPU, the jnp
         reference on CPU; see specjax.attention); `LLM.engine.attention_choice` says which.
@@ -192,7 +193,7 @@ class LLM:
                              DTYPES[dtype],
                              draft=engine_draft, mesh=mesh,
                              sched=scheduler, grammar=self._grammar_compiler, kv_compact_impl=kv_compact_impl,
-                             attention=attention)
+                             attention=attention, draft_topk=draft_topk)
         if draft is not None and draft not in ("self", "ngram"):
             from specjax.checkpoint import measurement_note
             note = measurement_note(draft, self.engine.attention_name)

@@ -64,6 +64,7 @@ def test_forced_implementations(monkeypatch):
     with pytest.raises(ValueError, match="must be one of"):
         choose_kv_compact("triton", _args())
     assert cli.KV_COMPACT_CHOICES == kernels.KV_COMPACT_CHOICES  # the CLI offers exactly these
+    assert cli.DRAFT_TOPK_CHOICES == kernels.DRAFT_TOPK_CHOICES
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +138,8 @@ def test_cli_reports_and_forces(tmp_path, capsys):
         assert cli.main(argv + ["--kv-compact-impl", "mosaic"]) == 2
         err = capsys.readouterr().err
         assert "kv_compact implementation 'mosaic' was asked for but does not compile" in err
-    assert cli.main(argv + ["--kv-compact-impl", "reference"]) == 0
+    assert cli.main(argv + ["--kv-compact-impl", "reference", "--draft-topk", "reduce"]) == 0
     err = capsys.readouterr().err
     assert "speculative (draft: num_steps=2 topk=2" in err and "kv_compact=reference (forced)" in err
+    assert "draft top-k: reduce" in err
     assert np.all([line.startswith("specjax: ") or line.startswith("[") for line in err.splitlines()])

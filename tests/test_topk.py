@@ -71,15 +71,13 @@ def test_reduce_edge_cases():
         top_k(jnp.zeros((2, 10)), 2, "sort")
 
 
-def test_draft_topk_choice(monkeypatch):
-    assert kernels_lib.DRAFT_TOPK == "auto"  # the default: the reduction where it was measured faster
-    assert kernels_lib.draft_topk("gpu") == "reduce" and kernels_lib.draft_topk("cpu") == "xla"
-    assert kernels_lib.draft_topk("tpu") == "xla"
-    monkeypatch.setattr(kernels_lib, "DRAFT_TOPK", "reduce")
-    assert kernels_lib.draft_topk("cpu") == "reduce"  # a forced choice holds on every backend
-    monkeypatch.setattr(kernels_lib, "DRAFT_TOPK", "sort")
-    with pytest.raises(ValueError, match=r"DRAFT_TOPK must be 'auto' or one of \('xla', 'reduce'\), got 'sort'"):
-        kernels_lib.draft_topk()
+def test_draft_topk_choice():
+    choose = kernels_lib.choose_draft_topk  # "auto": the reduction where it was measured faster
+    assert choose("auto", "gpu") == "reduce" and choose("auto", "cpu") == "xla" and choose("auto", "tpu") == "xla"
+    assert choose("reduce", "cpu") == "reduce" and choose("xla", "gpu") == "xla"  # a forced one holds everywhere
+    assert choose("auto") == ("reduce" if jax.default_backend() == "gpu" else "xla")
+    with pytest.raises(ValueError, match=r"draft_topk must be one of \('auto', 'xla', 'reduce'\), got 'sort'"):
+        choose("sort")
 
 
 @pytest.mark.parametrize("shape,k,scale", [((4, 16384), 4, 4.0), ((2, 3, 100), 3, 1.0), ((2, 50), 8, 10.0),
@@ -107,7 +105,7 @@ def test_log_softmax_in_the_reduction(shape, k, scale):
     assert np.all(np.isneginf(np.asarray(lp0))) and np.asarray(id0).tolist() == [[0, 1]]
 
 
-def test_engine_with_the_reduce_top_k_grows_the_same_trees(monkeypatch):
+def test_engine_with_the_reduce_top_k_grows_the_same_trees():
     from test_spec_eagle import random_head
     cfg = tiny_config(num_hidden_layers=4)
     target = tiny_model(cfg, seed=0)
@@ -118,10 +116,9 @@ def test_engine_with_the_reduce_top_k_grows_the_same_trees(monkeypatch):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
     def run(draft_topk, with_draft=True):
-        monkeypatch.setattr(kernels_lib, "DRAFT_TOPK", draft_topk)
         draft = Draft(head, ecfg.layer, DraftInfo("eagle3", ecfg.aux_layers), spec) if with_draft else None
         eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=64), BatchOptions(max_batch=2),
-                     jnp.float32, draft=draft)
+                     jnp.float32, draft=draft, draft_topk=draft_topk)
         reqs = [Request(i, None, p, params, IdTokenizer(), (96,), 64, 100 + i) for i, p in enumerate(prompts)]
         eng.run(reqs)
         return eng, [r.output() for r in reqs]
