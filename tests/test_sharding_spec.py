@@ -22,7 +22,7 @@ MAX_SEQ = 64
 PROMPTS = [[int(t) for t in np.random.default_rng(3).integers(0, 127, size=n)] for n in (5, 17, 2)]
 
 
-def _run(tp, method, topk, m):
+def _run(tp, method, topk, m, draft_topk="auto"):
     cfg = config("gqa")
     target = tiny_model(cfg, seed=0)
     spec = SpecConfig(method=method, num_steps=3, topk=topk, num_draft_tokens=m)
@@ -34,7 +34,7 @@ def _run(tp, method, topk, m):
         draft = Draft(head, ecfg.layer, DraftInfo("eagle3", ecfg.aux_layers), spec)
     mesh = sharding.make_mesh(tp) if tp > 1 else None
     eng = Engine(target, cfg, CacheOptions(page_size=8, max_seq_len=MAX_SEQ), BatchOptions(max_batch=2),
-                 jnp.float32, draft=draft, mesh=mesh)
+                 jnp.float32, draft=draft, mesh=mesh, draft_topk=draft_topk)
     if mesh is not None:
         spec_pages = eng.state.cache.kv[0].sharding.spec
         assert spec_pages[3] == sharding.AXIS, spec_pages  # KV pages split by kv heads
@@ -42,7 +42,7 @@ def _run(tp, method, topk, m):
                     (127,), MAX_SEQ, 0) for i, p in enumerate(PROMPTS)]
     eng.run(reqs)
     assert eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1
-    return [r.output().token_ids for r in reqs]
+    return [(r.output().token_ids, r.output().accept_len_mean) for r in reqs]
 
 
 def _draft_dict():
@@ -50,11 +50,15 @@ def _draft_dict():
     return hf_dict("gqa")
 
 
-@pytest.mark.parametrize("method,topk,m,tp", [("draft", 1, None, 2), ("draft", 2, 5, 4), ("eagle3", 2, 5, 2)])
-def test_spec_under_tp_equals_single_device(method, topk, m, tp):
+@pytest.mark.parametrize("method,topk,m,tp,draft_topk", [("draft", 1, None, 2, "auto"), ("draft", 2, 5, 4, "auto"),
+                                                         ("eagle3", 2, 5, 2, "auto"), ("draft", 2, 5, 4, "reduce"),
+                                                         ("eagle3", 2, 5, 2, "reduce")])
+def test_spec_under_tp_equals_single_device(method, topk, m, tp, draft_topk):
+    """draft_topk "reduce" (the GPU default): its reduction over a vocabulary split across the mesh
+    grows the same trees (the same tokens and acceptance) as lax.top_k on one device."""
     if len(jax.devices()) < tp:
         pytest.skip(f"needs {tp} devices")
-    assert _run(tp, method, topk, m) == _run(1, method, topk, m)
+    assert _run(tp, method, topk, m, draft_topk) == _run(1, method, topk, m, "xla")
 
 
 def test_llm_tensor_parallel_smollm2():
