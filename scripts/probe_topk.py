@@ -12,8 +12,8 @@ Measured on an H200 (docs/benchmarks.md, 2026-11-26): alone, k argmax rounds too
 13-18 us for the custom call; inside the fused step (scripts/profile_step.py) the rounds cost as
 much as the calls they replaced (+36 kernels, -3 us per step), so the step keeps `lax.top_k`.
 "reduce" is specjax.topk.top_k_reduce (one kernel per call; measured 2026-11-27: 8-13 us at 16 384 ids),
-"reduce/sN" the same in two reductions (first over N chunks of the vocabulary; measured 2026-11-27: no
-split was faster at every row count, so the engine keeps one reduction); the "+log_softmax"
+two reductions (over N chunks of the vocabulary, then over the chunks; commit 17432c4) were probed
+2026-11-27 and were not faster at every row count, so they were removed; the "+log_softmax"
 variants compute what a draft level needs from its logits (specjax.topk.top_k_log_softmax).
 """
 from __future__ import annotations
@@ -59,9 +59,6 @@ VARIANTS = {"xla": topk_xla, "argmax": topk_argmax, "chunked256": topk_chunked,
             # with the log-softmax the tree needs: what one draft level computes from its logits
             "xla+log_softmax": lambda x, k: top_k_log_softmax(x, k, "xla"),
             "reduce+log_softmax": lambda x, k: top_k_log_softmax(x, k, "reduce")}
-for _n in (4, 8, 16, 32, 64):  # two reductions: over n chunks of the vocabulary, then over the chunks
-    VARIANTS[f"reduce/s{_n}"] = lambda x, k, n=_n: top_k_reduce(x, k, n)
-    VARIANTS[f"reduce/s{_n}+log_softmax"] = lambda x, k, n=_n: top_k_log_softmax(x, k, "reduce", n)
 
 
 def chain(fn, k, n):

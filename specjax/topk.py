@@ -68,27 +68,15 @@ def _merge(kp: int, lse: bool = False):
     return reducer
 
 
-def _reduce(x, k: int, lse: bool, split: int = 1):
-    """The reduction over x's last axis; split > 1: first over `split` chunks of it (padded with -inf
-    after the last index), then over the chunks' accumulators (the same reducer: they are sorted lists
-    too), which gives a few long rows more parallel work."""
+def _reduce(x, k: int, lse: bool):
     if lse:  # one precision in a reduction: the log-sum-exp's float32
         x = x.astype(jnp.float32)
     V = x.shape[-1]
     if not 0 < k <= V:
         raise ValueError(f"top_k_reduce: k={k} must be in 1..{V} (the last axis)")
-    if split < 1:
-        raise ValueError(f"top_k_reduce: split={split} must be >= 1")
     kp = 1 << (k - 1).bit_length()
     low = jnp.array(-jnp.inf, x.dtype)
-    if split == 1:
-        idx = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    else:
-        chunk = -(-V // split)
-        pad = [(0, 0)] * (x.ndim - 1) + [(0, chunk * split - V)]
-        x = jnp.pad(x, pad, constant_values=-jnp.inf).reshape(*x.shape[:-1], split, chunk)
-        idx = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) + chunk * lax.broadcasted_iota(
-            jnp.int32, x.shape, x.ndim - 2)  # a padding entry's index is >= V: after every real one
+    idx = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     pad_v = jnp.broadcast_to(low, x.shape)
     pad_i = jnp.broadcast_to(jnp.int32(V), x.shape)  # after every real index
     ops = (x,) + (pad_v,) * (kp - 1) + (idx,) + (pad_i,) * (kp - 1)
@@ -97,8 +85,6 @@ def _reduce(x, k: int, lse: bool, split: int = 1):
         ops += (x, jnp.where(x == -jnp.inf, 0.0, 1.0).astype(jnp.float32))
         init += (jnp.float32(-jnp.inf), jnp.float32(0.0))
     out = lax.reduce(ops, init, _merge(kp, lse), (x.ndim - 1,))
-    if split > 1:  # [..., split] sorted lists (+ their log-sum-exp parts) -> [...]
-        out = lax.reduce(tuple(out), init, _merge(kp, lse), (x.ndim - 2,))
     vals, ids = jnp.stack(out[:k], axis=-1), jnp.stack(out[kp:kp + k], axis=-1)
     if not lse:
         return vals, ids
@@ -106,26 +92,24 @@ def _reduce(x, k: int, lse: bool, split: int = 1):
     return vals, ids, jnp.where(m == -jnp.inf, m, m + jnp.log(tot))
 
 
-def top_k_reduce(x, k: int, split: int = 1):
+def top_k_reduce(x, k: int):
     """(values, indices) of the k largest entries of x's last axis, best first, ties to the lower index:
-    lax.top_k's result, computed as one variadic reduction (module doc), or two with split > 1 (first
-    over `split` chunks of the axis). x: float, no NaN."""
-    return _reduce(x, k, False, split)
+    lax.top_k's result, computed as one variadic reduction (module doc). x: float, no NaN."""
+    return _reduce(x, k, False)
 
 
-def top_k_log_softmax(x, k: int, impl: str = "xla", split: int = 1):
+def top_k_log_softmax(x, k: int, impl: str = "xla"):
     """(log-probs [..., k] float32, indices [..., k] int32) of the k best entries of log_softmax(x) over the
     last axis (ties to the lower index). "reduce": the top-k and the log-sum-exp in the same one
     reduction (online: running max and rescaled sum), so the [..., V] log-probs are never written; its
     log-probs equal log_softmax's up to float rounding (the sum of V exponentials in another order;
     tests: within 1e-4). "xla": lax.top_k of jax.nn.log_softmax of x in float32 (the tree growth's
-    own "xla" path takes the log-softmax in the logits' dtype). A row of -inf only: -inf log-probs.
-    split: as top_k_reduce's ("reduce" only)."""
+    own "xla" path takes the log-softmax in the logits' dtype). A row of -inf only: -inf log-probs."""
     if impl == "xla":
         return top_k(jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), k, "xla")
     if impl != "reduce":
         raise ValueError(f"top-k implementation must be one of {IMPLS}, got {impl!r}")
-    vals, ids, lse = _reduce(x, k, True, split)
+    vals, ids, lse = _reduce(x, k, True)
     lse = lse[..., None]
     return jnp.where(lse == -jnp.inf, -jnp.inf, vals.astype(jnp.float32) - lse), ids
 

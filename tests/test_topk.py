@@ -38,25 +38,6 @@ def test_reduce_equals_lax_top_k(shape, k):
     np.testing.assert_array_equal(np.asarray(i), order)
 
 
-@pytest.mark.parametrize("shape,k,split", [((4, 1000), 4, 8), ((3, 2, 777), 3, 5), ((2, 50), 8, 7),
-                                           ((1, 7), 7, 3), ((2, 9), 2, 9)])
-def test_reduce_in_two_stages(shape, k, split):
-    """split > 1: chunks of the axis (the last one padded with -inf), then over the chunks; the same result."""
-    rng = np.random.default_rng(split)
-    x = (np.round(rng.standard_normal(shape) * 3) / 3).astype(np.float32)
-    x[..., ::5] = -np.inf
-    v, i = jax.jit(top_k_reduce, static_argnums=(1, 2))(x, k, split)
-    rv, ri = lax.top_k(x, k)
-    np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
-    np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
-    lp, ids = top_k_log_softmax(x, k, "reduce", split)
-    ref, rids = lax.top_k(jax.nn.log_softmax(jnp.asarray(x), axis=-1), k)
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(rids))
-    np.testing.assert_allclose(np.asarray(lp), np.asarray(ref), rtol=0, atol=1e-4)
-    with pytest.raises(ValueError, match="split=0 must be >= 1"):
-        top_k_reduce(x, k, 0)
-
-
 def test_reduce_edge_cases():
     x = jnp.full((2, 10), -jnp.inf)  # every entry -inf: the lowest indices
     v, i = top_k_reduce(x, 3)
