@@ -17,6 +17,12 @@ page one of them reads is in L2 for the others:
     o = acc / l, lse = m + log l  -> SMEM -> TMA to the partials of split s (only the real rows
                                      when one block holds them all: decode writes G rows, not 64)
 
+Paired blocks (`auto_pair`: exactly two 64-row blocks and more CTAs than fit the GPU at once, e.g. a
+17-node tree of the 8B shape at batch 32): one CTA of two warpgroups, grid (B, Hkv, splits), one
+query block each; warpgroup 0 issues the TMAs of each key block once for both, and refills a slot
+when both have arrived on its "free" barrier; the f32 outputs reuse the key slabs' SMEM after a
+barrier that both pass when their loops are done (~97 KiB per CTA at head_dim 128: two CTAs per SM).
+
 Requirements (checked by `why_not_mosaic`): bf16 / f16; page size a multiple of 8 (TMA rows land
 on whole 8-row SMEM tiles) dividing 64 or a multiple of 64; head_dim a multiple of 64 (128-byte
 swizzle). Masks never need a division (`visible` in paged_attention.py).
@@ -37,6 +43,7 @@ __all__ = ["paged_attention_mosaic", "why_not_mosaic"]
 
 BLOCK_QS = (64, 128)  # wgmma M is 64; a warpgroup issues two of them for 128 rows
 MAX_SPLITS = 32
+TARGET_CTAS = 264  # CTAs resident at once on an H100 / H200: 132 SMs x 2 (SMEM ~100-112 KiB each)
 
 
 def _plgpu():
@@ -66,24 +73,37 @@ def _out_rows(g: Geometry) -> int:
     return g.Rp if g.num_q_blocks > 1 else -(-g.R // 8) * 8
 
 
-def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, bounds_ref, pt_ref, q_ref, kv_ref, bits_ref,
-          o_ref, lse_ref, scratch):
+def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair: bool, bounds_ref, pt_ref, q_ref,
+          kv_ref, bits_ref, o_ref, lse_ref, scratch):
     """bounds_ref [B, 4], pt_ref [B, P] int32, q_ref [B, Hkv, Rp, D], kv_ref [N, ps, 2, Hkv, D]
     (GMEM); o_ref [B, Hkv, S, R', D] f32, lse_ref [B, Hkv, S, R'] f32 (GMEM; R' = _out_rows).
     W > 0: a block of W entries from bounds_ref[b, 3] on, masked per query row by bits_ref
-    [B, ceil(W / 32), Rp] int32 (pack_block_rows); W = 0: bits_ref is None."""
+    [B, ceil(W / 32), Rp] int32 (pack_block_rows); W = 0: bits_ref is None.
+    pair: the CTA's two warpgroups take the two query blocks ("wg" = the block) over the same key
+    slabs, which warpgroup 0 loads once for both; a slot is refilled when both have read it."""
     plgpu = _plgpu()
-    q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar = scratch
     BQ, BK, ps = g.block_q, _block_kv(g.ps), g.ps
     ppb = BK // ps  # pages per key block
     b = lax.axis_index("row")
     h = lax.axis_index("head")
-    qs = lax.axis_index("qs")
-    s, qb = lax.div(qs, g.num_q_blocks), lax.rem(qs, g.num_q_blocks)
+    if pair:
+        q_all, *mid, lse_all, q_bars, k_bar, v_bar, free_bar, done_bar = scratch
+        # on the GPU the f32 outputs reuse the key slabs' SMEM once both warpgroups are done with them
+        # (a RefUnion; the interpreter takes no aliased refs in copies, so there they are separate)
+        (k_smem, v_smem), o_all = mid if len(mid) == 2 else mid[0]
+        qb, s = lax.axis_index("wg"), lax.axis_index("qs")
+        q_smem, o_smem, lse_smem, q_bar = q_all.at[qb], o_all.at[qb], lse_all.at[qb], q_bars.at[qb]
+        t_lo, t_hi = 0, min((g.Rp - 1) // g.G, g.T - 1)  # the keys any row of the CTA sees
+        lead = qb == 0
+    else:
+        q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar = scratch
+        qs = lax.axis_index("qs")
+        s, qb = lax.div(qs, g.num_q_blocks), lax.rem(qs, g.num_q_blocks)
+        t_lo = lax.div(qb * BQ, g.G)
+        t_hi = jnp.minimum(lax.div(qb * BQ + BQ - 1, g.G), g.T - 1)
+        lead = True
     kend, diag, qpos = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
     r0 = qb * BQ
-    t_lo = lax.div(r0, g.G)
-    t_hi = jnp.minimum(lax.div(r0 + BQ - 1, g.G), g.T - 1)
     lo, hi = key_range((kend, diag, qpos), t_lo, t_hi, g.window)
     j0, j1 = split_range(lo, hi, BK, s, S)
 
@@ -96,7 +116,7 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, boun
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(r0, BQ)], q_smem, q_bar)
     for st in range(stages):
-        @pl.when(j0 + st < j1)
+        @pl.when(jnp.logical_and(lead, j0 + st < j1))
         def _(st=st):
             issue(j0 + st, st)
     plgpu.barrier_wait(q_bar)
@@ -159,9 +179,13 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, boun
         else:
             pv_out = pl.run_scoped(pv, plgpu.ACC((BQ, g.D), jnp.float32))
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_out
+        if pair:
+            plgpu.barrier_arrive(free_bar.at[slot])  # this warpgroup is done with the slot
 
-        @pl.when(j + stages < j1)
+        @pl.when(jnp.logical_and(lead, j + stages < j1))
         def _():
+            if pair:
+                plgpu.barrier_wait(free_bar.at[slot])  # and so is the other one
             issue(j + stages, slot)
 
         return acc, m_new, l
@@ -170,6 +194,9 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, boun
     m = cast(jnp.full((BQ,), NEG, jnp.float32), wg.reduce(1))
     l = cast(jnp.zeros((BQ,), jnp.float32), wg.reduce(1))
     acc, m, l = lax.fori_loop(j0, j1, step, (acc, m, l))
+    if pair:  # the outputs overwrite the key slabs: both warpgroups must be past their last read
+        plgpu.barrier_arrive(done_bar)
+        plgpu.barrier_wait(done_bar)
     live = l > 0.0
     safe = jnp.where(live, l, 1.0)
     o_smem[...] = acc / lax.broadcast_in_dim(safe, acc.shape, [0])
@@ -190,45 +217,63 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def auto_splits(g: Geometry, target_ctas: int = 264) -> int:
+def auto_splits(g: Geometry, target_ctas: int = TARGET_CTAS) -> int:
     """Splits of each row's key range so that about target_ctas CTAs run (2 per SM on an H100 /
     H200: 112 KiB of SMEM each at 2 stages and 64 query rows), at most MAX_SPLITS. Independent of
     the capacity: a split beyond a row's live blocks exits at once, and the partials written do
     not grow with max_seq_len."""
-    ctas = g.B * g.Hkv * g.num_q_blocks
+    ctas = g.B * g.Hkv * g.num_q_blocks  # a paired CTA counts twice: it holds two blocks' work
     return int(max(1, min(-(-target_ctas // max(ctas, 1)), MAX_SPLITS)))
 
 
+def can_pair(g: Geometry) -> bool:
+    """Two 64-row query blocks: one CTA of two warpgroups can take them over the same key slabs."""
+    return g.num_q_blocks == 2 and g.block_q == 64
+
+
+def auto_pair(g: Geometry) -> bool:
+    """Pair the two blocks where one CTA per block would not fit the GPU at once (the 8B shape's
+    17-node tree at batch 32: 512 CTAs for ~264 places; paired, each key slab is read once and the
+    verify attention took 2.23 instead of 3.17 ms per step on an H200, docs/benchmarks.md). With
+    fewer rows, separate CTAs over more splits finish as soon (batch 1)."""
+    return can_pair(g) and g.B * g.Hkv * 2 > TARGET_CTAS
+
+
 def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages: int, interpret: bool, bits=None,
-           W: int = 0):
+           W: int = 0, pair: bool = False):
     plgpu = _plgpu()
     dtype = qg.dtype
     S = num_splits or auto_splits(g)
     BQ, BK = g.block_q, _block_kv(g.ps)
     swz = 128
     tr = (plgpu.TilingTransform((8, swz // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swz))
-    scratch = [
-        plgpu.SMEM((BQ, g.D), dtype, transforms=tr),
-        plgpu.SMEM((stages, BK, g.D), dtype, transforms=tr),
-        plgpu.SMEM((stages, BK, g.D), dtype, transforms=tr),
-        plgpu.SMEM((BQ, g.D), jnp.float32),
-        plgpu.SMEM((BQ,), jnp.float32),
-        plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=BK // g.ps, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=BK // g.ps, num_barriers=stages),
-    ]
+    kv = [plgpu.SMEM((stages, BK, g.D), dtype, transforms=tr), plgpu.SMEM((stages, BK, g.D), dtype, transforms=tr)]
+    tma_bars = [plgpu.Barrier(num_arrivals=BK // g.ps, num_barriers=stages)] * 2
+    if pair:  # two warpgroups, one per query block; the f32 outputs reuse the key slabs' SMEM
+        scratch = [plgpu.SMEM((2, BQ, g.D), dtype, transforms=tr),
+                   *([tuple(kv), plgpu.SMEM((2, BQ, g.D), jnp.float32)] if interpret else
+                     [plgpu.RefUnion(tuple(kv), plgpu.SMEM((2, BQ, g.D), jnp.float32))]),
+                   plgpu.SMEM((2, BQ), jnp.float32),
+                   plgpu.Barrier(num_arrivals=1, num_barriers=2), *tma_bars,
+                   plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
+        grid, threads = (g.B, g.Hkv, S), dict(num_threads=2, thread_name="wg")
+        scoped = dict(collective_axes="wg")
+    else:
+        scratch = [plgpu.SMEM((BQ, g.D), dtype, transforms=tr), *kv, plgpu.SMEM((BQ, g.D), jnp.float32),
+                   plgpu.SMEM((BQ,), jnp.float32), plgpu.Barrier(num_arrivals=1), *tma_bars]
+        grid, threads, scoped = (g.B, g.Hkv, g.num_q_blocks * S), {}, {}
 
     def entry(bounds_ref, pt_ref, q_ref, kv_ref, *rest):
         bits_ref, (o_ref, lse_ref) = (rest[0], rest[1:]) if W else (None, rest)
-        pl.run_scoped(lambda *sc: _body(g, S, stages, dtype, interpret, W, bounds_ref, pt_ref, q_ref, kv_ref, bits_ref,
-                                        o_ref, lse_ref, sc), *scratch)
+        pl.run_scoped(lambda *sc: _body(g, S, stages, dtype, interpret, W, pair, bounds_ref, pt_ref, q_ref, kv_ref,
+                                        bits_ref, o_ref, lse_ref, sc), *scratch, **scoped)
 
     kw = {} if not interpret else {"interpret": _interpret_params()}
     o, lse = pl.kernel(
         entry,
         out_type=[jax.ShapeDtypeStruct((g.B, g.Hkv, S, _out_rows(g), g.D), jnp.float32),
                   jax.ShapeDtypeStruct((g.B, g.Hkv, S, _out_rows(g)), jnp.float32)],
-        mesh=plgpu.Mesh(grid=(g.B, g.Hkv, g.num_q_blocks * S), grid_names=("row", "head", "qs")),
+        mesh=plgpu.Mesh(grid=grid, grid_names=("row", "head", "qs"), **threads),
         name="paged_attention_mosaic",
         **kw,
     )(bounds, page_table, qg, kv_pages, *([bits] if W else []))
@@ -238,7 +283,7 @@ def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages:
 def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=None, *, sliding_window=None,
                            scale=None, mask_start=None, num_splits: int | None = None, stages: int = 2,
                            block_q: int | None = None, block_kv: int | None = None, interpret: bool = False,
-                           block_in_kernel: bool = True):
+                           block_in_kernel: bool = True, pair_blocks: bool | None = None):
     """Same contract as `paged_attention_reference`, as a Mosaic GPU kernel (Hopper) that reads
     only the live key blocks of each row. num_splits: splits of each row's key range (None: about
     two CTAs per SM, see auto_splits); stages: key blocks in flight per CTA; block_q: 64 or 128
@@ -246,7 +291,10 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
     max(64, page_size) (other values are an error); interpret: run in the Mosaic GPU interpreter
     on CPU (slow; for tests). block_in_kernel: a block mask (tree verify, draft growth) is applied
     inside the kernel, which reads the block entries from their pages like the prefix (False: the
-    shared dense block_partial + combine in XLA: SmolLM2's fused step ran 754 instead of 620 kernels)."""
+    shared dense block_partial + combine in XLA: SmolLM2's fused step ran 754 instead of 620 kernels).
+    pair_blocks: two 64-row query blocks (e.g. a 17-node tree with G = 4) in one CTA of two
+    warpgroups that read each key slab once (None: whenever there are exactly two 64-row blocks;
+    False: one CTA per block, sharing the pages through L2)."""
     why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
     if why is not None:
         raise ValueError(f"paged_attention_mosaic: {why}")
@@ -256,7 +304,11 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
     if block_q is None:
         block_q = 64 if q.shape[1] * (q.shape[2] // kv_pages.shape[3]) <= 128 else 128  # 17-node verify: 2 x 64
     g = geometry(q, kv_pages, page_table, block_q, sliding_window, scale)
-    fn = functools.partial(_paged, num_splits=num_splits, stages=stages, interpret=interpret)
+    if pair_blocks and not can_pair(g):
+        raise ValueError(f"paged_attention_mosaic: pair_blocks needs two 64-row query blocks, got {g.R} rows "
+                         f"in blocks of {block_q}")
+    pair = auto_pair(g) if pair_blocks is None else bool(pair_blocks)
+    fn = functools.partial(_paged, num_splits=num_splits, stages=stages, interpret=interpret, pair=pair)
     if block_mask is None or not block_in_kernel:
         return run_paged(fn, q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g)
     bounds = block_bounds(q_start, kv_len, mask_start, g)

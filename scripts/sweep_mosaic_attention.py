@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--ps", default="16")
     p.add_argument("--small", action="store_true", help="CPU smoke run: a small case, two settings (with --interpret)")
     p.add_argument("--interpret", action="store_true", help="the Mosaic GPU interpreter (CPU; slow)")
+    p.add_argument("--pair-only", action="store_true",
+                   help="only the paired two-warpgroup CTA against one CTA per query block (verify), 2 / 3 stages")
     a = p.parse_args(argv)
     import functools
 
@@ -76,6 +78,9 @@ def main(argv=None) -> int:
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     settings = [None] + [dict(block_q=bq, stages=st, num_splits=ns) for bq, st, ns in
                          itertools.product((64, 128), (2, 3), (None, 8))]
+    if a.pair_only:  # the paired two-warpgroup CTA (the default for two 64-row blocks) against one CTA per block
+        settings = [None] + [dict(block_q=64, stages=2, num_splits=ns, pair_blocks=pb)
+                             for ns, pb in ((None, True), (2, True), (None, False))]
     shapes = ((1, 512, 1024), (32, 512, 8192))
     if a.small:
         settings, shapes = [None, dict(block_q=64, stages=2, num_splits=2)], ((2, 40, 128),)
@@ -88,10 +93,12 @@ def main(argv=None) -> int:
                 want = np.asarray(jax.jit(paged_attention_reference)(*case.args, mask_start=case.mask_start)
                                   .astype(jnp.float32))
                 for st in settings:
-                    if mode == "decode" and st is not None and st["block_q"] == 128:
+                    if mode == "decode" and st is not None and (st["block_q"] == 128 or "pair_blocks" in st):
                         continue  # 4 query rows per KV head: one 64-row block
                     kw = st or {}
                     name = "default" if st is None else f"bq{kw['block_q']}-st{kw['stages']}-sp{kw['num_splits']}"
+                    if "pair_blocks" in kw:
+                        name += "-pair" if kw["pair_blocks"] else "-nopair"
                     row = dict(cfg, setting=name)
                     try:
                         fn = jax.jit(functools.partial(paged_attention_mosaic, mask_start=case.mask_start,

@@ -78,6 +78,21 @@ def test_mosaic_interpreted_tree_mask_in_kernel_and_dense(T, block_in_kernel, se
     assert_valid_close(got, want, case.num_new, atol=3e-2)
 
 
+@needs_gpu_interpreter
+@pytest.mark.parametrize("page_size,num_splits,seed", [(8, 1, 1), (16, 2, 4)])
+def test_mosaic_interpreted_paired_query_blocks(page_size, num_splits, seed):
+    """A 17-node tree with 4 query heads per KV head (68 rows: two 64-row blocks) in one CTA of two
+    warpgroups that share each key slab (warpgroup 0 loads it, both must free it), as the engine runs
+    it from about 17 rows on (8 KV heads); with one split and with two."""
+    from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
+    case = make_case(np.random.default_rng(seed), "verify", page_size=page_size, B=3, T=17, H=8, D=64,
+                     dtype=jnp.bfloat16)
+    assert case.block_mask is not None
+    want = _ref(case)
+    got = _run(paged_attention_mosaic, case, num_splits=num_splits, pair_blocks=True)
+    assert_valid_close(got, want, case.num_new, atol=3e-2)
+
+
 SMOLLM2_CASES = [  # (mode, T, seed): SmolLM2-135M's geometry (9 query heads, 3 KV heads: G = 3; head_dim 64),
     # page size 16, 2 rows as the speculative engine runs batch 1 (row 1: a padding row with row 0's pages
     # and no keys), num_splits auto (32 splits at 2 rows: most CTAs find no key block)

@@ -101,6 +101,19 @@ def test_auto_splits_fill_the_gpu_and_ignore_the_capacity():
         assert split(pa.Geometry(**{**g.__dict__, "B": 64})) == 1
 
 
+def test_two_query_blocks_pair_only_where_the_ctas_overflow_the_gpu():
+    from pallas_kernels import paged_attention_mosaic as pam
+    tree = pa.Geometry(B=32, T=17, H=32, Hkv=8, D=128, P=64, ps=16, block_q=64, window=None, scale=1.0)
+    assert tree.num_q_blocks == 2 and pam.can_pair(tree) and pam.auto_pair(tree)  # 512 CTAs unpaired
+    assert pam.auto_splits(tree) == 1  # a paired CTA holds two blocks' work
+    assert not pam.auto_pair(pa.Geometry(**{**tree.__dict__, "B": 1}))  # 16 CTAs: more splits instead
+    assert not pam.can_pair(pa.Geometry(**{**tree.__dict__, "T": 1}))  # one block
+    assert not pam.can_pair(pa.Geometry(**{**tree.__dict__, "block_q": 128}))
+    case = make_case(np.random.default_rng(0), "decode", page_size=16, B=2, H=4, D=64, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="pair_blocks needs two 64-row query blocks"):
+        jax.eval_shape(functools.partial(pam.paged_attention_mosaic, pair_blocks=True), *case.args)
+
+
 def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -120,14 +133,16 @@ def test_pallas_lowers_for_triton(dtype, T, tree):
     assert "xla.gpu.triton" in exp(*_engine_shapes(dtype, T, tree)).mlir_module()
 
 
-@pytest.mark.parametrize("T,tree,window", [(1, False, None), (17, True, None), (40, True, None), (300, False, 64)])
-def test_mosaic_lowers_for_cuda(T, tree, window):
+@pytest.mark.parametrize("T,tree,window,pair", [(1, False, None, None), (17, True, None, None), (17, True, None, True),
+                                                 (40, True, None, None), (300, False, 64, None)])
+def test_mosaic_lowers_for_cuda(T, tree, window, pair):
     """The Mosaic GPU kernel's lowering (TMA page copies into swizzled SMEM, wgmma with 64 and 128
-    rows, barriers, masks) for CUDA: decode, tree verify, prefill with a sliding window; compiling
-    to a cubin and running need a GPU."""
+    rows, barriers, masks; two warpgroups over paired query blocks with the outputs in the key slabs'
+    SMEM) for CUDA: decode, tree verify, prefill with a sliding window; compiling to a cubin and
+    running need a GPU."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
-    fn = functools.partial(paged_attention_mosaic, sliding_window=window)
+    fn = functools.partial(paged_attention_mosaic, sliding_window=window, pair_blocks=pair)
     text = export.export(jax.jit(fn), platforms=("cuda",))(*_engine_shapes(jnp.bfloat16, T, tree)).mlir_module()
     assert "mosaic_gpu" in text
 
