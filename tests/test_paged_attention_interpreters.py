@@ -79,15 +79,23 @@ def test_mosaic_interpreted_tree_mask_in_kernel_and_dense(T, block_in_kernel, se
 
 
 @needs_gpu_interpreter
-@pytest.mark.parametrize("page_size,num_splits,seed", [(8, 1, 1), (16, 2, 4)])
-def test_mosaic_interpreted_paired_query_blocks(page_size, num_splits, seed):
-    """A 17-node tree with 4 query heads per KV head (68 rows: two 64-row blocks) in one CTA of two
-    warpgroups that share each key slab (warpgroup 0 loads it, both must free it), as the engine runs
-    it from about 17 rows on (8 KV heads); with one split and with two."""
+@pytest.mark.parametrize("mode,T,page_size,num_splits,window,seed,B,P", [
+    ("verify", 17, 8, 1, None, 1, 3, None), ("verify", 17, 16, 2, None, 4, 3, None),
+    ("prefill", 20, 16, 2, 9, 5, 3, None),  # causal rows and a sliding window
+    # a prompt piece at offset 39: block 0 (tokens 0-15) sees keys < 55, block 1 (16-31) keys < 71, in the
+    # next 64-key block: the CTA must read the union of the blocks' ranges (fails if it reads block 0's)
+    ("prefill", 32, 16, 2, None, 8, 4, 10)])
+def test_mosaic_interpreted_paired_query_blocks(mode, T, page_size, num_splits, window, seed, B, P):
+    """Two 64-row query blocks (4 query heads per KV head: a 17-node tree has 68 rows, a 20-token
+    prompt piece 80) in one CTA of two warpgroups that share each key slab (warpgroup 0 loads it,
+    both must free it), as the engine runs them from about 17 rows on (8 KV heads); the CTA reads the
+    union of the blocks' key ranges, each block masks its own rows; one split and two."""
     from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
-    case = make_case(np.random.default_rng(seed), "verify", page_size=page_size, B=3, T=17, H=8, D=64,
-                     dtype=jnp.bfloat16)
-    assert case.block_mask is not None
+    case = make_case(np.random.default_rng(seed), mode, page_size=page_size, B=B, T=T, H=8, D=64, P=P,
+                     dtype=jnp.bfloat16, window=window)
+    assert (case.block_mask is not None) == (mode == "verify")
+    if P:
+        assert int(case.q_start[2]) == 39
     want = _ref(case)
     got = _run(paged_attention_mosaic, case, num_splits=num_splits, pair_blocks=True)
     assert_valid_close(got, want, case.num_new, atol=3e-2)
