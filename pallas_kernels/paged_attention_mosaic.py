@@ -234,8 +234,9 @@ def can_pair(g: Geometry) -> bool:
 def auto_pair(g: Geometry) -> bool:
     """Pair the two blocks where one CTA per block would not fit the GPU at once (the 8B shape's
     17-node tree at batch 32: 512 CTAs for ~264 places; paired, each key slab is read once and the
-    verify attention took 2.23 instead of 3.17 ms per step on an H200, docs/benchmarks.md). With
-    fewer rows, separate CTAs over more splits finish as soon (batch 1)."""
+    verify attention took 2.23 instead of 3.17 ms per step on an H200, docs/benchmarks.md). Below
+    that (batch 1) the unpaired layout stays: it is the one measured in the engine's step (verify /
+    decode 1.16); the kernel sweeps disagreed on pairing there (slower once, faster once)."""
     return can_pair(g) and g.B * g.Hkv * 2 > TARGET_CTAS
 
 
@@ -293,8 +294,8 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
     inside the kernel, which reads the block entries from their pages like the prefix (False: the
     shared dense block_partial + combine in XLA: SmolLM2's fused step ran 754 instead of 620 kernels).
     pair_blocks: two 64-row query blocks (e.g. a 17-node tree with G = 4) in one CTA of two
-    warpgroups that read each key slab once (None: whenever there are exactly two 64-row blocks;
-    False: one CTA per block, sharing the pages through L2)."""
+    warpgroups that read each key slab once (None: `auto_pair`, where one CTA per block would not
+    fit the GPU at once; False: one CTA per block, sharing the pages through L2)."""
     why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
     if why is not None:
         raise ValueError(f"paged_attention_mosaic: {why}")

@@ -89,7 +89,9 @@ def test_mosaic_interpreted_paired_query_blocks(mode, T, page_size, num_splits, 
     """Two 64-row query blocks (4 query heads per KV head: a 17-node tree has 68 rows, a 20-token
     prompt piece 80) in one CTA of two warpgroups that share each key slab (warpgroup 0 loads it,
     both must free it), as the engine runs them from about 17 rows on (8 KV heads); the CTA reads the
-    union of the blocks' key ranges, each block masks its own rows; one split and two."""
+    union of the blocks' key ranges, each block masks its own rows; one split and two. The interpreter
+    takes no aliased SMEM refs in copies, so here the outputs get their own buffers instead of reusing
+    the key slabs' (that aliasing runs on the GPU only: scripts/sweep_mosaic_attention.py --pair-only)."""
     from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
     case = make_case(np.random.default_rng(seed), mode, page_size=page_size, B=B, T=T, H=8, D=64, P=P,
                      dtype=jnp.bfloat16, window=window)
