@@ -53,6 +53,7 @@ TTT=${TTT:-7}
 DRAFT_VOCAB=${DRAFT_VOCAB:-}  # empty: 16384, or INIT_HEAD's; larger than INIT_HEAD's: grown (train_eagle.py --draft-vocab)
 SEED=${SEED:-0}  # prompts, sampling and data order (a new seed: new prompts and responses)
 INIT_HEAD=${INIT_HEAD:-}  # continue training this exported head (its weights and draft vocabulary)
+HEAD_INTERMEDIATE=${HEAD_INTERMEDIATE:-}  # empty: INIT_HEAD's MLP width, or the target's; wider: grown (train_eagle.py --head-intermediate)
 WARMUP=${WARMUP:-200}
 if [ -z "${GPUS:-}" ]; then  # all visible GPUs (1 without any)
   if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then GPUS=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c . || true)
@@ -96,7 +97,7 @@ echo "== train: $STEPS steps (budget ${TRAIN_BUDGET}s), batch $GPUS x $BATCH x $
 "$PY" scripts/train_eagle.py train --data "$RUN/data" --work "$RUN/work" --export "$OUT" --resume \
   --steps "$STEPS" --batch-size "$BATCH" --devices "$GPUS" --seq-len "$SEQ_LEN" --lr "$LR" --warmup "$WARMUP" --seed "$SEED" \
   ${INIT_HEAD:+--init-head "$INIT_HEAD"} \
-  --ttt-steps "$TTT" ${DRAFT_VOCAB:+--draft-vocab "$DRAFT_VOCAB"} --ckpt-every 1000 --log-every 50 --eval-every 500 \
+  --ttt-steps "$TTT" ${DRAFT_VOCAB:+--draft-vocab "$DRAFT_VOCAB"} ${HEAD_INTERMEDIATE:+--head-intermediate "$HEAD_INTERMEDIATE"} --ckpt-every 1000 --log-every 50 --eval-every 500 \
   --heldout 0.01 --time-budget "$TRAIN_BUDGET" --export-dtype bfloat16 --no-progress
 echo "== train stage: $((SECONDS - T2)) s; total $((SECONDS - T0)) s"
 {
@@ -105,7 +106,7 @@ echo "== train stage: $((SECONDS - T2)) s; total $((SECONDS - T0)) s"
   echo
   echo '```bash'
   echo "GPUS=$GPUS SEED=$SEED INIT_HEAD=$INIT_HEAD WARMUP=$WARMUP SELF_INSTRUCT=$SELF_INSTRUCT PASSAGES=$PASSAGES SCHEMAS=$SCHEMAS DATA_BUDGET=$DATA_BUDGET CHUNK=$CHUNK MAX_BATCH=$MAX_BATCH MAX_TOKENS=$MAX_TOKENS \\"
-  echo "  STEPS=$STEPS TRAIN_BUDGET=$TRAIN_BUDGET BATCH=$BATCH SEQ_LEN=$SEQ_LEN LR=$LR TTT=$TTT DRAFT_VOCAB=$DRAFT_VOCAB \\"
+  echo "  STEPS=$STEPS TRAIN_BUDGET=$TRAIN_BUDGET BATCH=$BATCH SEQ_LEN=$SEQ_LEN LR=$LR TTT=$TTT DRAFT_VOCAB=$DRAFT_VOCAB HEAD_INTERMEDIATE=$HEAD_INTERMEDIATE \\"
   echo "  bash scripts/train_default_head.sh"
   echo '```'
   echo

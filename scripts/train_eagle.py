@@ -5,7 +5,7 @@
         [--model DIR] [--max-prompts N] [--temperatures 0,0.7,1.0] [--max-tokens 256] [--time-budget S]
     # 2. train (resumable) and export a draft directory usable as `specjax generate --draft OUT`
     python scripts/train_eagle.py train --data runs/e3/data --work runs/e3/work --export OUT \
-        [--steps N] [--batch-size B] [--seq-len T] [--ttt-steps K] [--draft-vocab V] [--resume]
+        [--steps N] [--batch-size B] [--seq-len T] [--ttt-steps K] [--draft-vocab V] [--head-intermediate F] [--resume]
     # both: `all` takes the options of the two (--skip-data reuses existing shards)
     # 0. prompts beyond GSM8K: written by the target itself + tasks over installed Python text
     python scripts/train_eagle.py prompts --out runs/e3/prompts.jsonl [--self-instruct N] [--passages N]
@@ -98,6 +98,9 @@ def add_train_args(p, data_required=True):
                    help="random lm_head / final norm (default: start from the target's)")
     p.add_argument("--init-head", default=None,
                    help="continue training an exported head (its weights and its draft vocabulary)")
+    p.add_argument("--head-intermediate", type=int, default=None,
+                   help="the head's MLP width (default: --init-head's, else the target's; wider than the "
+                        "initial head's: its MLP grown by units that start with zero output weights)")
     p.add_argument("--ckpt-every", type=int, default=200)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--heldout", type=float, default=0.01, help="share of packed rows held out (acc@k)")
@@ -187,7 +190,7 @@ def run_train(a, data_dir: str, command: str) -> dict:
                       steps=a.steps, batch_size=a.batch_size, devices=a.devices, seq_len=a.seq_len, lr=a.lr,
                       warmup=a.warmup, min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, clip=a.clip,
                       ttt_steps=a.ttt_steps, decay=a.decay, draft_vocab_size=a.draft_vocab,
-                      init_from_target=not a.no_target_init, init_head=a.init_head,
+                      init_from_target=not a.no_target_init, init_head=a.init_head, head_intermediate=a.head_intermediate,
                       ckpt_every=a.ckpt_every, log_every=a.log_every, heldout=a.heldout,
                       eval_every=a.eval_every, seed=a.seed, compute_dtype=a.compute_dtype,
                       param_dtype=a.param_dtype, export_dtype=a.export_dtype, time_budget=a.time_budget,

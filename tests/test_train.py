@@ -463,6 +463,56 @@ def test_init_head_grows_its_draft_vocabulary(pipeline, tmp_path):
         train(dataclasses.replace(grow, work_dir=str(tmp_path / "w3"), draft_vocab_size=VD - 1))
 
 
+def test_init_head_widens_its_mlp(pipeline, tmp_path):
+    """--head-intermediate above the initial head's MLP width: its units keep their weights, the new
+    ones start with zero down-projection rows, so with a zero learning rate the widened head's losses
+    equal the unwidened continuation's step for step; the export loads at the new width; narrowing
+    is refused."""
+    from specjax.checkpoint import load_config, load_draft_flat
+    root, model, _, tcfg, _, _ = pipeline
+    cfg = load_config(model)
+    before, hcfg, _ = load_draft_flat(root / "head", cfg, "float32")
+    F0 = hcfg.layer.intermediate_size
+    same = dataclasses.replace(tcfg, work_dir=str(tmp_path / "w0"), export_dir=str(tmp_path / "h0"), steps=3,
+                               lr=0.0, init_head=str(root / "head"))
+    wide = dataclasses.replace(same, work_dir=str(tmp_path / "w1"), export_dir=str(tmp_path / "h1"),
+                               head_intermediate=F0 + 24)
+    assert train(same)["mlp_widened_by"] == 0
+    summary = train(wide)
+    assert summary["mlp_width"] == F0 + 24 and summary["mlp_widened_by"] == 24
+    assert f"MLP width {F0 + 24}: the initial head's grown by 24 units" in (tmp_path / "h1" / "TRAINING.md").read_text()
+    after, ecfg, _ = load_draft_flat(tmp_path / "h1", cfg, "float32")
+    assert ecfg.layer.intermediate_size == F0 + 24
+    for k in ("mlp.w_gate", "mlp.w_up"):
+        np.testing.assert_array_equal(np.asarray(after[k])[:, :F0], np.asarray(before[k]), err_msg=k)
+        assert np.abs(np.asarray(after[k])[:, F0:]).min(axis=0).max() > 0, k  # fresh columns, not zeros
+    np.testing.assert_array_equal(np.asarray(after["mlp.w_down"])[:F0], np.asarray(before["mlp.w_down"]))
+    assert not np.asarray(after["mlp.w_down"])[F0:].any()
+    for k in before:
+        if not k.startswith("mlp.w_"):
+            np.testing.assert_array_equal(np.asarray(after[k]), np.asarray(before[k]), err_msg=k)
+    logs = [[json.loads(x) for x in (tmp_path / w / "train_log.jsonl").read_text().splitlines()] for w in ("w0", "w1")]
+    assert logs[0] and [r["step"] for r in logs[0]] == [r["step"] for r in logs[1]]
+    for r0, r1 in zip(*logs):
+        np.testing.assert_allclose(r1["total"], r0["total"], rtol=1e-5)
+    # the engine drafts with it: the same accepted lengths as the unwidened head, plain's greedy output
+    from specjax import LLM, SamplingParams
+    from specjax.tree import SpecConfig
+    from specjax import eval as spec_eval
+    texts = [json.loads(x)["question"] for x in (root / "prompts_train.jsonl").read_text().splitlines()][:2]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for name in ("h0", "h1", None):
+        llm = LLM(str(model), dtype="float32", max_seq_len=128, max_batch=2,
+                  draft=str(tmp_path / name) if name else None,
+                  spec=SpecConfig(method="eagle3", num_steps=3, topk=2, num_draft_tokens=4) if name else None)
+        runs[name] = spec_eval._run(llm, spec_eval._ids(llm, texts, bool(llm.tokenizer.chat_template)), params)
+    assert [o.token_ids for o, _ in runs["h1"]] == [o.token_ids for o, _ in runs[None]]
+    assert [a for _, a in runs["h1"]] == [a for _, a in runs["h0"]] and any(len(a) for _, a in runs["h1"])
+    with pytest.raises(ValueError, match="can widen it, not narrow it"):
+        train(dataclasses.replace(wide, work_dir=str(tmp_path / "w2"), head_intermediate=F0 - 8))
+
+
 def test_schema_prompts_stay_on_the_device_dfa():
     """The random schemas of specjax.train.schemas: reproducible with a seed, varied, and each in
     the subset json_schema_regex puts on the device DFA (no request falls back to the host path)."""

@@ -43,11 +43,12 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return aux
 
 
-def head_hf_config(target_hf: dict, draft_vocab_size: int, aux_layers) -> dict:
-    """config.json of an EAGLE-3 head whose decoder layer has the target's dimensions."""
+def head_hf_config(target_hf: dict, draft_vocab_size: int, aux_layers, intermediate_size: int | None = None) -> dict:
+    """config.json of an EAGLE-3 head whose decoder layer has the target's dimensions (its MLP
+    `intermediate_size` wide when given, else as wide as the target's)."""
     tcfg = ModelConfig.from_hf_dict(target_hf)
     d = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-         "hidden_size": tcfg.hidden_size, "intermediate_size": tcfg.intermediate_size,
+         "hidden_size": tcfg.hidden_size, "intermediate_size": int(intermediate_size or tcfg.intermediate_size),
          "num_attention_heads": tcfg.num_heads, "num_key_value_heads": tcfg.num_kv_heads,
          "head_dim": tcfg.head_dim, "num_hidden_layers": 1, "vocab_size": tcfg.vocab_size,
          "draft_vocab_size": int(draft_vocab_size), "rms_norm_eps": tcfg.rms_norm_eps,

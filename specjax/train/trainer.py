@@ -50,6 +50,7 @@ class TrainConfig:
     draft_vocab_size: int | None = None  # None: DRAFT_VOCAB, or init_head's; larger than init_head's: grown
     init_from_target: bool = True  # lm_head / final norm start as the target's (draft-vocab columns)
     init_head: str | None = None  # continue from an exported head (its weights and draft vocabulary)
+    head_intermediate: int | None = None  # MLP width (None: init_head's, else the target's); wider than init_head's: grown
     ckpt_every: int = 200
     log_every: int = 10
     heldout: float = 0.01  # share of packed rows held out for acc@k (0: none)
@@ -203,6 +204,23 @@ def _mean_metrics(ms: list[dict]) -> dict:
     return {k: (v.tolist() if np.ndim(v) else float(v)) for k, v in out.items()}
 
 
+def _widen_mlp(head: dict, params: dict, where: str) -> int:
+    """Grow an initial head's MLP (in place in `head`) to the width of the fresh `params`: its units
+    keep their weights, the new ones get the fresh gate / up columns and zero down-projection rows,
+    so the widened head computes the same function until training moves them. -> units added."""
+    have, want = head["mlp.w_gate"].shape[1], params["mlp.w_gate"].shape[1]
+    if want < have:
+        raise ValueError(f"--init-head {where}: its MLP has {have} units; --head-intermediate can widen it, "
+                         f"not narrow it to {want}")
+    if want == have:
+        return 0
+    for k in ("mlp.w_gate", "mlp.w_up"):
+        head[k] = np.concatenate([np.asarray(head[k], np.float32), np.asarray(params[k], np.float32)[:, have:]], 1)
+    down = np.asarray(head["mlp.w_down"], np.float32)
+    head["mlp.w_down"] = np.concatenate([down, np.zeros((want - have, down.shape[1]), np.float32)], 0)
+    return want - have
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) training; returns the summary (also written to WORK_DIR/summary.json)."""
     from specjax.checkpoint import load_flat
@@ -218,7 +236,7 @@ def train(cfg: TrainConfig) -> dict:
     model_dir = cfg.model_dir or man["model_dir"]
     target_hf = forward.read_hf_config(model_dir)
     tcfg, tflat = load_flat(model_dir, "float32")
-    head = None
+    head, widened = None, 0
     if cfg.init_head:
         from specjax.checkpoint import load_draft_flat
         head, hcfg, _ = load_draft_flat(cfg.init_head, tcfg, "float32")
@@ -227,7 +245,8 @@ def train(cfg: TrainConfig) -> dict:
                              f"data's {man['aux_layers']}")
     d2t, t2d, covered = _vocab(work, shards, tcfg.vocab_size, cfg.draft_vocab_size, cfg.resume,
                                None if head is None else head["d2t"])
-    hf = forward.head_hf_config(target_hf, len(d2t), man["aux_layers"])
+    width = cfg.head_intermediate or (hcfg.layer.intermediate_size if head is not None else None)
+    hf = forward.head_hf_config(target_hf, len(d2t), man["aux_layers"], width)
     ecfg = forward.head_config(hf, tcfg)
     dims = forward.HeadDims.of(ecfg)
     cdt = _compute_dtype(cfg.compute_dtype)
@@ -255,12 +274,15 @@ def train(cfg: TrainConfig) -> dict:
             w = np.array(params["lm_head"], np.float32)
             w[:, at] = np.asarray(head["lm_head"], np.float32)
             head["lm_head"] = w
+        widened = _widen_mlp(head, params, cfg.init_head)
         bad = {k for k in params if k not in head or tuple(head[k].shape) != tuple(params[k].shape)}
         if bad:
             raise ValueError(f"--init-head {cfg.init_head}: parameters missing or of other shapes: {sorted(bad)}")
         params.update({k: jnp.asarray(np.asarray(head[k], np.float32)) for k in params})
         _log(f"initialised from the head {cfg.init_head} (draft vocabulary {len(d2t)}"
-             + (f", {grown} ids added, their lm_head columns the target's)" if grown else ")"))
+             + (f", {grown} ids added, their lm_head columns the target's" if grown else "")
+             + (f"; MLP widened by {widened} units, their down-projection rows zero: the same function)"
+                if widened else ")"))
     tdims, aux_layers, target = None, tuple(int(i) for i in man["aux_layers"]), {}
     if packed.aux is None:  # token ids only: the step computes the target's features
         from specjax.train.target import TargetDims
@@ -330,6 +352,7 @@ def train(cfg: TrainConfig) -> dict:
                "tokens_per_step": global_batch * cfg.seq_len, "final": _final(log_path),
                "draft_vocab_size": len(d2t), "draft_vocab_coverage": covered,
                "draft_vocab_from_head": None if head is None else len(head["d2t"]),
+               "mlp_width": int(hf["intermediate_size"]), "mlp_widened_by": widened,
                "data": {k: man.get(k) for k in ("prompt_files", "num_prompts", "num_seqs", "num_tokens",
                                                 "temperatures", "max_tokens", "aux_layers", "dtype",
                                                 "command", "complete")},
@@ -443,6 +466,8 @@ def training_md(s: dict, dtype: str) -> str:
         f"(one per prompt, in turn), max {d.get('max_tokens')} tokens",
         f"- {d.get('num_seqs')} sequences, {d.get('num_tokens')} tokens; aux layers (inputs of) {d.get('aux_layers')}",
         f"- draft vocabulary: {_vocab_text(s)} (covering {s['draft_vocab_coverage']:.1%} of the training labels)",
+        *([f"- MLP width {s['mlp_width']}: the initial head's grown by {s['mlp_widened_by']} units (zero "
+           "down-projection rows at the start)"] if s.get("mlp_widened_by") else []),
         "",
         "## Training", "",
         f"- {s['step']} steps (of {s['target_steps']}{', stopped by the time budget' if s['stopped_early'] else ''}), "
