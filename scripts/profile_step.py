@@ -181,6 +181,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-steps", type=int)
     p.add_argument("--topk", type=int)
     p.add_argument("--num-draft-tokens", type=int)
+    p.add_argument("--ngram-branch", type=int, default=0, help="n-gram nodes added to the tree (SpecConfig.ngram_branch)")
     p.add_argument("--batch", default="1")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
     if a.num_steps:
         from specjax.llm import draft_method
         kw["spec"] = SpecConfig(method=draft_method(draft), num_steps=a.num_steps, topk=a.topk or 1,
-                                num_draft_tokens=a.num_draft_tokens or a.num_steps)
+                                num_draft_tokens=a.num_draft_tokens or a.num_steps, ngram_branch=a.ngram_branch)
     llm = LLM(a.model, dtype=a.dtype, max_batch=max(batches), max_seq_len=2048, draft=draft,
               draft_topk=a.draft_topk, **kw)
     smap, rows = {}, []

@@ -93,7 +93,7 @@ def read_meta(model_dir: str | Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
-SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens")
+SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens", "ngram_branch")
 PLAIN = "plain"  # a spec_defaults entry: plain decoding beat every tree shape measured at that batch
 
 

@@ -29,7 +29,7 @@ FLAG_NAMES = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top
               "grammar": "--grammar", "choice": "--choice", "num_steps": "--num-steps", "topk": "--topk",
               "num_draft_tokens": "--num-draft-tokens", "tensor_parallel": "--tensor-parallel",
               "max_seq_len": "--max-seq-len", "max_batch": "--max-batch", "ngram_max": "--ngram-max",
-              "ngram_min": "--ngram-min"}
+              "ngram_min": "--ngram-min", "ngram_branch": "--ngram-branch"}
 _API_PREFIX = re.compile(r"^(invalid SamplingParams: |SpecConfig: |SpecConfig\.)")
 _API_NAME = re.compile(r"\b(" + "|".join(FLAG_NAMES) + r")\b")
 
@@ -206,6 +206,9 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                         "elsewhere (the same results); the info line names it")
     g.add_argument("--ngram-max", type=positive_int, default=4, help="n-gram drafter: longest suffix matched")
     g.add_argument("--ngram-min", type=positive_int, default=1, help="n-gram drafter: shortest suffix matched")
+    g.add_argument("--ngram-branch", type=int, default=0, metavar="L",
+                   help="a model draft's tree: add L nodes holding the request's best n-gram continuation under "
+                        "the root (merged where the tree has them; 0 <= L <= --num-steps; default 0: off)")
     from specjax.engine import BatchOptions
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not reuse the KV pages of prompt prefixes computed before (same outputs)")
@@ -256,6 +259,8 @@ def check_model_arguments(a) -> None:
         raise UsageError("--speculate-below applies to speculative decoding: give --speculate or --draft")
     if a.draft is None and getattr(a, "min_accept", "auto") not in ("auto", None):
         raise UsageError("--min-accept applies to speculative decoding: give --speculate or --draft")
+    if a.draft is None and a.ngram_branch:
+        raise UsageError("--ngram-branch adds to a draft's tree: give --speculate or --draft")
     if a.draft is not None:
         from specjax.llm import draft_method
         from specjax.tree import SpecConfig
@@ -264,10 +269,14 @@ def check_model_arguments(a) -> None:
         try:
             if method != "ngram" and tree_flags == (None, None, None):
                 a.spec = None  # the LLM's default: the draft's spec_defaults, else a chain of 4
+                if a.ngram_branch:
+                    from specjax.llm import default_spec
+                    a.spec = default_spec(a.draft, method, a.max_batch, ngram_branch=a.ngram_branch,
+                                          ngram_max=a.ngram_max, ngram_min=a.ngram_min)
             else:
                 a.spec = SpecConfig(method=method, num_steps=a.num_steps or 4, topk=a.topk or 1,
                                     num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max,
-                                    ngram_min=a.ngram_min)
+                                    ngram_min=a.ngram_min, ngram_branch=a.ngram_branch)
         except ValueError as e:
             raise UsageError(flag_message(str(e))) from None
 

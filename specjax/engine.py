@@ -224,7 +224,9 @@ class Engine(GrammarSteps, DFASteps):
             lite = ("always fused steps" if b.speculate_below is None else
                     f"lite steps (plain, the draft kept in sync) for batches of >= {b.speculate_below} rows")
             mode = (f"speculative ({self.draft.info.method}: num_steps={s.num_steps} topk={s.topk} "
-                    f"num_draft_tokens={s.num_draft_tokens}, lookahead {self.lookahead}; up to "
+                    f"num_draft_tokens={s.num_draft_tokens}"
+                    + (f" ngram_branch={s.ngram_branch}" if s.ngram_branch else "")
+                    + f", lookahead {self.lookahead}; up to "
                     f"{b.spec_steps_per_call} steps per dispatch; {lite})")
         return (f"{mode}; {b.max_batch} slots of {self.sched.capacity} cache entries (max_seq_len {c.max_seq_len}), "
                 f"{num_pages} pages of {c.page_size}, {jnp.dtype(dtype).name}, prefix cache "

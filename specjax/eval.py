@@ -109,7 +109,8 @@ def draft_vocab_ids(draft, method: str, target_cfg):
 
 def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: int | None = None,
              topk: int | None = None,
-             num_draft_tokens: int | None = None, ngram_max: int = 4, ngram_min: int = 1, max_batch: int = 1,
+             num_draft_tokens: int | None = None, ngram_max: int = 4, ngram_min: int = 1, ngram_branch: int = 0,
+             max_batch: int = 1,
              max_tokens: int = MAX_TOKENS, dtype: str = "auto", max_seq_len: int = 2048,
              chat: bool | None = None, warmup_tokens: int = 8, min_accept="auto", draft_topk: str = "auto",
              log=print) -> dict:
@@ -128,7 +129,12 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     spec_cfg = None  # no tree flags: the LLM's default (the draft's spec_defaults for max_batch, else a chain of 4)
     if method == "ngram" or (num_steps, topk, num_draft_tokens) != (None, None, None):
         spec_cfg = SpecConfig(method=method, num_steps=num_steps or 4, topk=topk or 1,
-                              num_draft_tokens=num_draft_tokens, ngram_max=ngram_max, ngram_min=ngram_min)
+                              num_draft_tokens=num_draft_tokens, ngram_max=ngram_max, ngram_min=ngram_min,
+                              ngram_branch=ngram_branch)
+    elif ngram_branch:  # the draft's spec_defaults with the branch
+        from specjax.llm import default_spec
+        spec_cfg = default_spec(draft, method, max_batch, ngram_branch=ngram_branch, ngram_max=ngram_max,
+                                ngram_min=ngram_min)
     plain = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len)
     spec = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len, draft=draft, spec=spec_cfg,
                min_accept=min_accept, draft_topk=draft_topk)
@@ -208,8 +214,8 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
                 "max_batch": max_batch, "max_tokens": max_tokens, "ignore_eos": True, "dtype": plain.dtype, "chat": chat,
                 "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "min_accept": gate,
                 "draft_vocab_size": None if vocab is None else len(vocab)}
-    if spec_cfg.method == "ngram":
-        settings.update(ngram_max=ngram_max, ngram_min=ngram_min)
+    if spec_cfg.method == "ngram" or spec_cfg.ngram_branch:
+        settings.update(ngram_max=ngram_max, ngram_min=ngram_min, ngram_branch=spec_cfg.ngram_branch)
     return {"settings": settings, "categories": cats, "overall": tot, "prompt_ids": ids}
 
 
@@ -318,7 +324,8 @@ def markdown(summary: dict) -> str:
         head += ["HF tok/s"] + (["HF lookup tok/s", "HF lookup speed-up"] if lookup else []) + ["plain / HF"]
         head += ["spec / HF lookup"] if lookup else ["spec / HF"]
     rows = [(c, v) for c, v in summary["categories"].items()] + [("**overall**", summary["overall"])]
-    ngram = f", n-gram {s['ngram_max']}..{s['ngram_min']}" if s["method"] == "ngram" else ""
+    ngram = (f", n-gram {s['ngram_max']}..{s['ngram_min']}" if s["method"] == "ngram" else
+             f", n-gram branch of {s['ngram_branch']}" if s.get("ngram_branch") else "")
     lines = [f"Speculative decoding with `{s['draft']}` ({s['method']}{ngram}, {s['num_steps']} steps, topk "
              f"{s['topk']}, {s['num_draft_tokens']} draft tokens) on `{s['model']}` ({s['dtype']}), greedy, batch "
              f"{s['max_batch']}, {s['max_tokens']} new tokens per prompt (EOS ignored: equal work), {s['device']}"
@@ -400,6 +407,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft tree size (default: num_steps for a chain, num_steps * topk for a tree)")
     p.add_argument("--ngram-max", type=int, default=4, help="n-gram drafter: longest suffix matched")
     p.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest suffix matched")
+    p.add_argument("--ngram-branch", type=int, default=0, metavar="L",
+                   help="a model draft's tree: L nodes of the request's best n-gram continuation under the root "
+                        "(SpecConfig.ngram_branch; default 0: off)")
     p.add_argument("--min-accept", type=min_accept_arg, default="auto", metavar="TAU",
                    help="acceptance gate of the speculative runs: plain (lite) steps while the measured tokens "
                    "per fused step stay below TAU ('none': always fused steps; default: the n-gram drafter's "
@@ -470,7 +480,7 @@ def cmd_eval(a) -> int:
         log(warning)
     summary = run_eval(sets, model=a.model, draft=a.draft, num_steps=a.num_steps, topk=a.topk,
                        num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max, ngram_min=a.ngram_min,
-                       max_batch=a.max_batch, max_tokens=a.max_tokens, dtype=a.dtype, max_seq_len=a.max_seq_len,
+                       ngram_branch=a.ngram_branch, max_batch=a.max_batch, max_tokens=a.max_tokens, dtype=a.dtype, max_seq_len=a.max_seq_len,
                        chat=False if a.raw else None, warmup_tokens=a.warmup_tokens, min_accept=a.min_accept,
                        draft_topk=a.draft_topk,
                        log=log)

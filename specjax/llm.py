@@ -43,6 +43,26 @@ class StreamDelta:
     output: RequestOutput | None = None  # the final output, on the last event
 
 
+def default_spec(draft, kind: str, max_batch: int, **override):
+    """The tree shape when none is given: the draft's measured spec_defaults for max_batch
+    (checkpoint.head_spec_defaults), else a chain of 4; `override`: SpecConfig fields set on top
+    (e.g. ngram_branch)."""
+    from specjax.checkpoint import head_spec_defaults
+    from specjax.tree import SpecConfig
+    found = None if draft in ("self", "ngram") else head_spec_defaults(draft, max_batch)
+    if found is None:
+        return SpecConfig(method=kind, **{"num_steps": 4, **override})
+    kw, batch = found
+    try:
+        spec = SpecConfig(method=kind, **kw)
+    except ValueError as e:
+        raise ValueError(f"{draft}/specjax.json spec_defaults[{batch}]: {e}") from None
+    log.info("speculation: num_steps=%d topk=%d num_draft_tokens=%d (the draft's spec_defaults for batch %d)%s",
+             spec.num_steps, spec.topk, spec.num_draft_tokens, batch,
+             "".join(f", {k}={v}" for k, v in override.items()))
+    return dataclasses.replace(spec, **override) if override else spec
+
+
 def draft_method(draft) -> str:
     """The SpecConfig.method a draft needs: "eagle" / "eagle3" for a converted head directory,
     "draft" for a draft model directory or "self", "ngram" for "ngram"."""
@@ -211,21 +231,7 @@ class LLM:
                 self._follower = multihost.Follower(channel, self.engine, self._rebuild)
 
     def _default_spec(self, draft, kind):
-        """The tree shape when none is given: the draft's measured spec_defaults for this max_batch
-        (checkpoint.head_spec_defaults), else a chain of 4."""
-        from specjax.checkpoint import head_spec_defaults
-        from specjax.tree import SpecConfig
-        found = None if draft in ("self", "ngram") else head_spec_defaults(draft, self.max_batch)
-        if found is None:
-            return SpecConfig(method=kind, num_steps=4)
-        kw, batch = found
-        try:
-            spec = SpecConfig(method=kind, **kw)
-        except ValueError as e:
-            raise ValueError(f"{draft}/specjax.json spec_defaults[{batch}]: {e}") from None
-        log.info("speculation: num_steps=%d topk=%d num_draft_tokens=%d (the draft's spec_defaults for batch %d)",
-                 spec.num_steps, spec.topk, spec.num_draft_tokens, batch)
-        return spec
+        return default_spec(draft, kind, self.max_batch)
 
     def _load_draft(self, draft, spec, target_module, dtype):
         from specjax.checkpoint import load_model

@@ -26,6 +26,10 @@ what the next one adds, ...; nodes beyond the trie's size repeat a kept node (a 
 sibling, which verification never accepts twice).
 Proposals are deterministic functions of the history, i.e. point masses, so verification with
 draft_probs=None (specjax.verify) keeps greedy and sampling lossless.
+
+A model draft's tree can carry the same lookup (SpecConfig.ngram_branch = L): the state keeps the
+history as above and add_branch merges the best candidate's first L tokens into the draft's tree
+under the root (tree.merge_branch), so a step accepts the longer of the draft's and the text's guess.
 """
 from __future__ import annotations
 
@@ -114,6 +118,18 @@ def trie_tree(root, cont, num_draft_tokens: int) -> Tree:
         scores.append(jnp.where(own[:, :, s], -(rank * S + s), _DUPLICATE))  # (rank, depth) order
         parents.append(jnp.full((B, k), -1, jnp.int32) if s == 0 else rep[:, :, s - 1])
     return tree_lib.select_tree(root, toks, scores, parents, num_draft_tokens)
+
+
+def add_branch(hist, H, tree: Tree, spec: SpecConfig) -> Tree:
+    """A model draft's tree with spec.ngram_branch more nodes (SpecConfig.ngram_branch): the
+    continuation of each row's best match (the first candidate above, found with one argmax) under
+    the root, merged into the tree by tree.merge_branch. hist [B, W], H [B] as in propose."""
+    W = hist.shape[1]
+    H = jnp.clip(H, 1, W)
+    m = match_lengths(hist, H, spec.ngram_max)
+    key = jnp.where(m >= spec.ngram_min, m * W + jnp.arange(W, dtype=jnp.int32)[None, :], -1)  # [B, W]
+    pos = jnp.where(jnp.max(key, axis=1) >= 0, jnp.argmax(key, axis=1).astype(jnp.int32), H - 1)
+    return tree_lib.merge_branch(tree, continuations(hist, H, pos[:, None], spec.ngram_branch)[:, 0])
 
 
 def propose(hist, H, root, spec: SpecConfig) -> Tree:

@@ -51,7 +51,10 @@ are padding (reads clamp, updates drop).
 The n-gram drafter (info.method "ngram", specjax.ngram) has no model: the state keeps each slot's
 tokens x_0 .. x_L (SpecState.history; admission (admit_slots) writes the whole prompt, the final
 prefill piece the first token, each step appends its emitted tokens) and the next tree is looked up in them; draft_kv is empty and
-draft_seq_lens unused. Its drafts are point masses (draft_probs None).
+draft_seq_lens unused. Its drafts are point masses (draft_probs None). A model draft's tree with
+SpecConfig.ngram_branch keeps the same history and gets the lookup's best continuation merged in
+(ngram.add_branch) after each growth; the branch's nodes have no draft KV (the extend over the
+accepted entries writes it, as for any accepted node).
 
 Grammar drafts (specjax.grammar_drafts; constrained batches): the host passes the grammar's
 continuation after each node of the verified tree ([B, N, S + 1] int32, -1 padded; after the prompt
@@ -141,7 +144,8 @@ def init_spec_state(cache: KVCache, draft_kv: list, spec: SpecConfig, vocab_size
     N = spec.num_nodes
     is_ngram = spec.method == "ngram"
     probs = jnp.zeros((S, N, vocab_size), jnp.float32) if spec.is_chain and sample_drafts and not is_ngram else None
-    history = ngram.init_history(S, cache.pages_per_slot * cache.page_size) if is_ngram else None
+    with_history = is_ngram or spec.ngram_branch > 0
+    history = ngram.init_history(S, cache.pages_per_slot * cache.page_size) if with_history else None
     return SpecState(cache=cache, draft_kv=list(draft_kv), draft_seq_lens=jnp.zeros((S,), jnp.int32),
                      tree_tokens=jnp.zeros((S, N), jnp.int32), tree_parents=jnp.full((S, N), -1, jnp.int32),
                      tree_depth=jnp.zeros((S, N), jnp.int32), draft_probs=probs, penalties=penalties,
@@ -425,7 +429,12 @@ def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state
                              _draft_dfa(info, state, jnp.clip(rows.slots, 0, max_slots - 1), roots),
                              kernels.draft_topk)
     draft_seq_lens = state.draft_seq_lens.at[rows.slots].set(Ld, mode="drop")
-    return out, _store(state, fin, tree, probs, dkv, draft_seq_lens, cache, pen, dfa=tables)
+    hist = None
+    if spec.ngram_branch:  # the history holds the sequence (written at admission); add x_P
+        end = rows.start + rows.lens
+        hist = ngram.append(state.history, fin, end - 1, out.tokens[:, None], final)
+        tree = ngram.add_branch(hist[jnp.clip(rows.slots, 0, max_slots - 1)], end + 1, tree, spec)
+    return out, _store(state, fin, tree, probs, dkv, draft_seq_lens, cache, pen, hist, dfa=tables)
 
 
 def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, tokens, lens, slots,
@@ -581,8 +590,10 @@ def _commit(info: DraftInfo, target, draft, state: SpecState, ver: Verified, acc
     if acc.dfa_state is not None:
         tables = dataclasses.replace(tables, state=tables.state.at[upd].set(acc.dfa_state, mode="drop"))
     state = dataclasses.replace(state, cache=cache, penalties=pen, dfa=tables)
+    if state.history is not None:  # the n-gram drafter, or a model draft's n-gram branch
+        state = dataclasses.replace(state, history=ngram.append(state.history, upd, L, acc.out.tokens, n))
     if not info.has_model:
-        return dataclasses.replace(state, history=ngram.append(state.history, upd, L, acc.out.tokens, n)), None, None
+        return state, None, None
     feats = None
     if info.uses_features:
         idx = jnp.maximum(acc.accept_idx, 0)[:, :, None]  # [B, S + 1, 1]
@@ -618,6 +629,8 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
                             (stochastic if state.draft_probs is not None else False),  # UNFILTERED kept
                             _draft_rows(info, new.penalties, rs), forced,
                             _draft_dfa(info, state, rs, acc.dfa_state), kernels.draft_topk)
+    if spec.ngram_branch:
+        nxt = ngram.add_branch(new.history[rs], L2 + 1, nxt, spec)
     return _store(new, upd, nxt, probs, dkv, new.draft_seq_lens, new.cache)
 
 

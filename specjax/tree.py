@@ -63,6 +63,11 @@ class SpecConfig:
     ``method="ngram"`` (specjax.ngram, no draft weights) drafts the continuations of the ``topk``
     best matches of the last ``ngram_max`` down to ``ngram_min`` tokens in the request's own
     text; its tree is the trie of those continuations (``max_candidates = num_steps * topk``).
+
+    ``ngram_branch`` (L, 0 <= L <= num_steps; a model draft's tree, topk > 1) adds L nodes to each
+    tree: the continuation of the request's best n-gram match (the same lookup, ngram_max /
+    ngram_min) under the root, merged into the tree where the tree already has its tokens
+    (:func:`merge_branch`); ``num_nodes = num_draft_tokens + 1 + L``.
     """
 
     method: str = "eagle"
@@ -71,6 +76,7 @@ class SpecConfig:
     num_draft_tokens: int | None = None
     ngram_max: int = 4  # n-gram drafter: longest suffix matched
     ngram_min: int = 1  # n-gram drafter: shortest suffix matched
+    ngram_branch: int = 0  # a model draft's tree: nodes of one n-gram continuation added under the root
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -81,6 +87,12 @@ class SpecConfig:
                 raise ValueError(f"SpecConfig.{name} must be an int >= 1, got {v!r}")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"SpecConfig.ngram_min={self.ngram_min} exceeds ngram_max={self.ngram_max}")
+        b = self.ngram_branch
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= self.num_steps:
+            raise ValueError(f"SpecConfig.ngram_branch must be an int in [0, num_steps={self.num_steps}], got {b!r}")
+        if b and (self.method == "ngram" or self.topk == 1):
+            raise ValueError(f"SpecConfig.ngram_branch={b} adds an n-gram branch to a model draft's tree "
+                             f"(topk > 1); got method={self.method!r}, topk={self.topk}")
         cap = self.max_candidates
         m = self.num_draft_tokens
         if m is None:
@@ -104,8 +116,8 @@ class SpecConfig:
 
     @property
     def num_nodes(self) -> int:
-        """Tree size including the root: num_draft_tokens + 1."""
-        return self.num_draft_tokens + 1
+        """Tree size including the root: num_draft_tokens + 1 (+ ngram_branch)."""
+        return self.num_draft_tokens + 1 + self.ngram_branch
 
     @property
     def max_candidates(self) -> int:
@@ -243,6 +255,40 @@ def make_tree(tokens, parents, depth, max_depth: int) -> Tree:
     """A Tree from stored tokens / parents / depth [B, N] (the mask is rebuilt from the parents)."""
     return Tree(tokens=tokens, parents=parents, depth=depth, mask=_ancestor_mask(parents, max_depth),
                 max_depth=max_depth)
+
+
+def merge_branch(tree: Tree, branch) -> Tree:
+    """tree (N nodes) and a chain branch [B, L] int32 of tokens under the root -> a Tree of N + L
+    nodes whose root-to-node token paths are the tree's and the branch's prefixes up to max_depth.
+
+    The branch follows the tree's nodes while the tree has its tokens; from the first token the tree
+    lacks, its nodes hang under the last node it reached (then under each other). Branch node i is
+    node N + i; one that only repeats a tree node it followed, or that would lie deeper than
+    max_depth, is a duplicate sibling (the followed node's parent and token; node 1's for too deep),
+    which verification never takes: greedy_accept picks the lowest index among equal children, and
+    a point-mass proposal's token is gone from the residual once an earlier sibling was rejected.
+    """
+    b, n = tree.tokens.shape
+    cur = jnp.zeros((b,), jnp.int32)  # the node the branch has reached
+    cur_depth = jnp.zeros((b,), jnp.int32)
+    left = jnp.zeros((b,), bool)  # the branch has left the tree
+    toks, pars, deps = [], [], []
+    for i in range(branch.shape[1]):
+        g = branch[:, i].astype(jnp.int32)
+        match = ~left[:, None] & (tree.parents == cur[:, None]) & (tree.tokens == g[:, None])  # [B, N]
+        found = jnp.any(match, axis=1)
+        depth = cur_depth + 1
+        fits = found | (depth <= tree.max_depth)
+        toks.append(jnp.where(fits, g, tree.tokens[:, 1]))
+        pars.append(jnp.where(fits, cur, 0))
+        deps.append(jnp.where(fits, depth, 1))
+        cur = jnp.where(found, jnp.argmax(match, axis=1).astype(jnp.int32), jnp.where(fits, n + i, cur))
+        cur_depth = jnp.where(fits, depth, cur_depth)
+        left = left | ~found
+    tokens = jnp.concatenate([tree.tokens, jnp.stack(toks, axis=1)], axis=1)
+    parents = jnp.concatenate([tree.parents, jnp.stack(pars, axis=1)], axis=1)
+    depth = jnp.concatenate([tree.depth, jnp.stack(deps, axis=1)], axis=1)
+    return make_tree(tokens, parents, depth, tree.max_depth)
 
 
 def chain_tree(root_tokens, draft_tokens) -> Tree:

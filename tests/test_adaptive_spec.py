@@ -97,11 +97,12 @@ def plain(world):
 
 
 def _draft(cfg, target, kind) -> Draft:
-    if kind == "eagle3 tree":
+    if kind.startswith("eagle3 tree"):  # "eagle3 tree + ngram branch": 2 n-gram nodes added
         from test_spec_eagle import random_head
         head, ecfg = random_head(cfg, "eagle3", seed=3, draft_vocab=80, aux_layers=(0, 1, 2))
         return Draft(head, ecfg.layer, DraftInfo("eagle3", ecfg.aux_layers),
-                     SpecConfig(method="eagle3", num_steps=3, topk=2, num_draft_tokens=5))
+                     SpecConfig(method="eagle3", num_steps=3, topk=2, num_draft_tokens=5,
+                                ngram_branch=2 if "ngram" in kind else 0))
     if kind == "self chain":  # the target as its own draft: every drafted token is right
         return Draft(target, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=3))
     return Draft(None, None, DraftInfo("ngram"), SpecConfig(method="ngram", num_steps=3, topk=2))
@@ -129,7 +130,7 @@ def _check_in_sync(spy, lens, per_call: int, full: int):
     return checked
 
 
-@pytest.mark.parametrize("kind", ["eagle3 tree", "self chain", "ngram tree"])
+@pytest.mark.parametrize("kind", ["eagle3 tree", "self chain", "ngram tree", "eagle3 tree + ngram branch"])
 def test_switching_equals_plain(world, plain, kind):
     """Threshold 2 (the batch crosses it both ways), 1 (lite steps only), 2 again and None (fused
     steps only): the outputs of plain decoding each time. Once warm (the third run) switching

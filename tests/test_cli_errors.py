@@ -212,3 +212,29 @@ def test_steps_per_call_flags_reach_the_llm(tiny, monkeypatch):
 def test_bad_steps_per_call_is_a_usage_error(capsys, no_load):
     assert "argument --steps-per-call: must be an integer >= 1, got 0" in usage_error(
         capsys, ["generate", "--prompt", "hi", "--steps-per-call", "0"])
+
+
+def test_ngram_branch_flag(tiny, monkeypatch, capsys):
+    """--ngram-branch L: with a head (--draft) and no tree flags, the head's spec_defaults tree plus
+    L n-gram nodes; with tree flags, those; without a draft, or for the n-gram drafter's own tree, or
+    deeper than --num-steps: a usage error naming the flag."""
+    from specjax.assets import DEFAULT_HEAD_DIR
+    from specjax.checkpoint import head_spec_defaults
+    seen = llm_arguments(monkeypatch, ["generate", "--model", str(tiny), "--prompt", "w5", "--draft",
+                                       str(DEFAULT_HEAD_DIR), "--max-batch", "1", "--ngram-branch", "3"])
+    kw, _ = head_spec_defaults(DEFAULT_HEAD_DIR, 1)
+    s = seen["spec"]
+    assert (s.method, s.num_steps, s.topk, s.num_draft_tokens, s.ngram_branch) == (
+        "eagle3", kw["num_steps"], kw["topk"], kw["num_draft_tokens"], 3)
+    assert s.num_nodes == kw["num_draft_tokens"] + 4
+    seen = llm_arguments(monkeypatch, ["generate", "--model", str(tiny), "--prompt", "w5", "--draft",
+                                       str(DEFAULT_HEAD_DIR), "--num-steps", "3", "--topk", "2", "--ngram-branch", "2"])
+    assert (seen["spec"].num_steps, seen["spec"].topk, seen["spec"].ngram_branch) == (3, 2, 2)
+    monkeypatch.undo()
+    assert "--ngram-branch adds to a draft's tree" in usage_error(capsys, ["generate", "--prompt", "hi",
+                                                                           "--ngram-branch", "2"])
+    assert "--ngram-branch=2 adds an n-gram branch to a model draft's tree" in usage_error(
+        capsys, ["generate", "--prompt", "hi", "--speculate", "ngram", "--topk", "2", "--ngram-branch", "2"])
+    assert "--ngram-branch must be an int in [0, --num-steps=3], got 4" in usage_error(
+        capsys, ["generate", "--prompt", "hi", "--speculate", "head", "--num-steps", "3", "--topk", "2",
+                 "--ngram-branch", "4"])

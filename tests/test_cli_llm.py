@@ -279,6 +279,9 @@ def test_head_spec_defaults(tmp_path):
     assert head_speculate_below(tmp_path) is None  # speculation pays at the largest batch measured
     (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": {"1": "plain"}}))
     assert head_spec_defaults(tmp_path, 4) is None and head_speculate_below(tmp_path) == 1
+    entry = {"num_steps": 5, "topk": 4, "num_draft_tokens": 20, "ngram_branch": 4}  # an n-gram branch is kept
+    (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": {"1": {**entry, "note": "x"}}}))
+    assert head_spec_defaults(tmp_path, 1) == (entry, 1)
     for bad in ({"one": {"num_steps": 2}}, {"1": {"topk": 2}}, {"1": 3}, {"1": "plainly"}):
         (tmp_path / "specjax.json").write_text(json.dumps({"spec_defaults": bad}))
         with pytest.raises(CheckpointError, match="spec_defaults"):

@@ -44,7 +44,8 @@ REGEXES = [r"[a-f]{2,5}(-[0-9]{1,3})?", r"(yes|no)!", r"\d{1,3}(\.\d+)?", r"[A-Z
 MIXED = [dict(regex=REGEXES[0]), dict(choice=["red", "green", "blue"]), {}, dict(regex=REGEXES[1]),
          dict(grammar='root ::= "[" ("true" | "false") (", " ("true" | "false"))? "]"'), dict(regex=REGEXES[2]),
          dict(regex=REGEXES[3]), {}]
-DRAFTS = {"plain": None, "tree": ("other", 3, 2, 5), "self": ("self", 3, 1, 3)}
+DRAFTS = {"plain": None, "tree": ("other", 3, 2, 5), "self": ("self", 3, 1, 3),
+          "tree-ngram-branch": ("other", 3, 2, 5, 3)}  # + 3 n-gram nodes (SpecConfig.ngram_branch)
 FORCED = r"KEY-fixed-text-then-more-fixed-text;[\s\S]*"  # a long fixed run, then anything
 
 
@@ -230,10 +231,10 @@ def engine(world, which, sched):
     if which not in cache:
         d = None
         if draft is not None:
-            who, k, topk, m = draft
+            who, k, topk, m, *branch = draft
             model, mcfg = (target, cfg) if who == "self" else (other, dcfg)
             d = Draft(model, mcfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=k, topk=topk,
-                                                                  num_draft_tokens=m))
+                                                                  num_draft_tokens=m, ngram_branch=sum(branch)))
         cache[which] = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ),
                               BatchOptions(max_batch=4, steps_per_call=4), jnp.float32, draft=d, grammar=compiler)
     eng = cache[which]
@@ -270,8 +271,9 @@ def check_regex_outputs(reqs, constraints):
             assert re.fullmatch(pattern, r.output().text), r.output().text
 
 
-@pytest.mark.parametrize("which,temperature", [("plain", 0.0), ("plain", 0.9), ("tree", 0.0)],
-                         ids=["plain-greedy", "plain-sampled", "tree-greedy"])
+@pytest.mark.parametrize("which,temperature", [("plain", 0.0), ("plain", 0.9), ("tree", 0.0),
+                                               ("tree-ngram-branch", 0.0)],
+                         ids=["plain-greedy", "plain-sampled", "tree-greedy", "tree-ngram-branch-greedy"])
 def test_device_dfa_equals_host_path(world, which, temperature):
     """A batch mixing DFA, EBNF-grammar (host) and unconstrained rows: the device DFA's outputs are
     the host path's, token for token, greedy, and sampled in plain decoding (same keys, same masked

@@ -84,12 +84,13 @@ def make_engine(world, draft=None, *, sched=SchedulerOptions()):
         return cache[draft]
     d = None
     if draft is not None:
-        which, k, topk, m = draft
+        which, k, topk, m, *branch = draft  # branch: SpecConfig.ngram_branch (n-gram nodes added)
         if which == "eagle3":  # a random EAGLE-3 head (own 64-token vocabulary, target features)
             from test_spec_eagle import random_head
             head, ecfg = random_head(cfg, "eagle3", draft_vocab=64, aux_layers=(0, 1, 1))
             d = Draft(head, ecfg.layer, DraftInfo("eagle3", ecfg.aux_layers),
-                      SpecConfig(method="eagle3", num_steps=k, topk=topk, num_draft_tokens=m))
+                      SpecConfig(method="eagle3", num_steps=k, topk=topk, num_draft_tokens=m,
+                                 ngram_branch=sum(branch)))
         else:
             model, mcfg = (target, cfg) if which == "self" else (other, dcfg)
             d = Draft(model, mcfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=k, topk=topk,
@@ -167,7 +168,9 @@ def test_plain_constrained_matches_brute_force(world, reference):
     (("other", 3, 2, 5), SchedulerOptions(overlap=False)),
     (("self", 2, 2, 4), SchedulerOptions(async_loop=False, overlap=False)),
     (("eagle3", 3, 2, 5), SchedulerOptions()),
-], ids=["plain-async", "plain-no-overlap", "chain-self", "tree-overlap", "tree-no-overlap", "tree-self-sync", "eagle3-tree"])
+    (("eagle3", 3, 2, 5, 3), SchedulerOptions()),
+], ids=["plain-async", "plain-no-overlap", "chain-self", "tree-overlap", "tree-no-overlap", "tree-self-sync", "eagle3-tree",
+        "eagle3-tree-ngram-branch"])
 def test_speculation_and_loops_agree(world, reference, draft, sched):
     outs = run(make_engine(world, draft, sched=sched), world[5], CONSTRAINTS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]

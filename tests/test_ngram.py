@@ -112,6 +112,52 @@ def test_fused_step_equals_plain_greedy(kind, page_size, k, topk, m):
         assert tau >= 1.0
 
 
+def _branch_run(kind, branch, page_size=4):
+    """A random one-layer draft model's tree (3 levels, topk 2, 4 nodes) with `branch` n-gram nodes,
+    through prefill + SPEC_STEPS fused steps over slots 2, 0, padding, 1, 3 (inactive) ->
+    ({slot: emitted tokens}, tokens per step of the active rows, final state)."""
+    from test_step import _draft
+    cfg, target, prompts, ref = setup_of(kind)
+    dcfg, draft = _draft("random", cfg, target)
+    spec = SpecConfig(method="draft", num_steps=3, topk=2, num_draft_tokens=4, ngram_branch=branch)
+    steps, tw, dw = compile_spec_steps(DraftInfo("draft"), spec, *nnx.split(target), *nnx.split(draft))
+    state = init_spec_state(_cache(cfg, page_size), _cache(dcfg, page_size).kv, spec, cfg.vocab_size)
+    assert state.tree_tokens.shape == (MAX_SLOTS, 5 + branch)
+    assert (state.history is not None) == (branch > 0)
+    row_slots = [2, 0, 6, 1, 3]
+    active = np.array([True, True, False, True, False])
+    toks, lens, slots = _prompt_batch(prompts, row_slots)
+    first, state = steps.prefill(tw, dw, state, toks, lens, slots, None, stochastic=False)
+    streams = {s: [int(np.asarray(first.tokens)[r])] for r, s in enumerate(row_slots) if s < MAX_SLOTS}
+    counts = []
+    for _ in range(SPEC_STEPS):
+        out, state = steps.step(tw, dw, state, slots, jnp.asarray(active), None, stochastic=False)
+        tok, n = np.asarray(out.tokens), np.asarray(out.num_accepted)
+        for r, s in enumerate(row_slots):
+            if active[r]:
+                assert 1 <= n[r] <= 4 and (tok[r, n[r]:] == -1).all()
+                streams[s] += tok[r, : n[r]].tolist()
+        counts.append(n[active])
+        if branch:
+            for s in (0, 1, 2):  # the history follows the emitted tokens, as for the n-gram drafter
+                L = int(state.cache.seq_lens[s])
+                assert np.asarray(state.history[s, : L + 1]).tolist() == prompts[s] + streams[s]
+    for s in (0, 1, 2):
+        assert streams[s] == ref[s, : len(streams[s])].tolist(), (kind, branch, s)
+    return streams, np.concatenate(counts), state
+
+
+@pytest.mark.parametrize("kind", ["random", "cyclic"])
+def test_model_draft_tree_with_an_ngram_branch_equals_plain_greedy(kind):
+    """SpecConfig.ngram_branch: a draft model's tree plus 3 n-gram nodes under the root gives plain
+    greedy decoding's tokens (float32, ragged rows, an inactive and a padding row); on the cyclic
+    target, where a random draft model rarely guesses right, the branch lifts the tokens per step."""
+    _, with_branch, _ = _branch_run(kind, 3)
+    if kind == "cyclic":
+        _, without, _ = _branch_run(kind, 0)
+        assert with_branch.mean() > without.mean() + 0.5, (with_branch.mean(), without.mean())
+
+
 def _engine(cfg, target, draft, max_seq, page_size=4):
     return Engine(target, cfg, CacheOptions(page_size=page_size, max_seq_len=max_seq), BatchOptions(max_batch=2),
                   jnp.float32, draft=draft)

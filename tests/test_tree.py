@@ -18,6 +18,7 @@ from specjax.tree import (
     frontier,
     greedy_accept,
     max_candidates,
+    merge_branch,
     positions,
     select_tree,
 )
@@ -252,6 +253,72 @@ def test_greedy_accept_random():
                     hit = kids and rnd.random() < p_match
                     target[r, i] = rnd.choice(kids) if hit else rnd.randrange(V + 2)
             check_accept(tree, target)
+
+
+def test_merge_branch_paths_and_acceptance():
+    """A chain branch merged into EAGLE-2 trees (merge_branch): the merged tree's root-to-node token
+    paths are the tree's and the branch's prefixes up to max_depth (brute force), its parents / depth /
+    mask are consistent, and greedy acceptance of a target that continues some sequence t accepts the
+    longer of the tree's and the branch's matches of t (brute-force walk as in check_accept)."""
+    rnd = random.Random(3)
+    merge = jax.jit(merge_branch)
+    for topk, num_steps, m in [(1, 3, 3), (2, 2, 5), (3, 4, 15), (4, 5, 20)]:
+        root = np.array([rnd.randrange(V) for _ in range(B)], np.int32)
+        tree, _ = jax_eagle2([rnd.randrange(1 << 30) for _ in range(B)], root, num_steps, topk, m, False)
+        tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+        n, D = tokens.shape[1], tree.max_depth
+        for L in sorted({1, D, D + 2}):
+            for trial in range(4):
+                branch, t = np.zeros((B, L), np.int32), []
+                for r in range(B):  # follow one of the tree's paths for a while, then anything
+                    path = node_paths(tokens[r], parents[r], rnd.randrange(n)) if trial % 2 else ()
+                    follow = path[: rnd.randrange(len(path) + 1)]
+                    branch[r] = list(follow[:L]) + [rnd.randrange(V) for _ in range(L - min(L, len(follow)))]
+                    t.append(list(branch[r]) if trial < 2 else list(path) + [rnd.randrange(V)])
+                m = merge(tree, jnp.asarray(branch))
+                mt, mp, md, mm = (np.asarray(x) for x in (m.tokens, m.parents, m.depth, m.mask))
+                assert mt.shape == (B, n + L) and m.max_depth == D
+                np.testing.assert_array_equal(mt[:, :n], tokens)
+                wants = []
+                for r in range(B):
+                    for i in range(1, n + L):
+                        assert 0 <= mp[r, i] < i and md[r, i] == md[r, mp[r, i]] + 1 <= D
+                        anc, j = {i}, i
+                        while j > 0:
+                            j = int(mp[r, j])
+                            anc.add(j)
+                        np.testing.assert_array_equal(mm[r, i], [j in anc for j in range(n + L)])
+                    got = {node_paths(mt[r], mp[r], i) for i in range(n + L)}
+                    want = {node_paths(tokens[r], parents[r], i) for i in range(n)}
+                    want |= {tuple(int(x) for x in branch[r, :d]) for d in range(1, min(L, D) + 1)}
+                    assert got == want, (r, L)
+                    wants.append(want)
+                target = np.zeros((B, n + L), np.int32)
+                for r in range(B):
+                    for i in range(n + L):
+                        pth = node_paths(mt[r], mp[r], i)
+                        on = len(pth) < len(t[r]) and list(pth) == t[r][: len(pth)]
+                        target[r, i] = t[r][len(pth)] if on else V + 1  # off t: no child matches
+                _, num, _ = check_accept(m, target)
+                for r in range(B):
+                    best = max(d for d in range(min(len(t[r]), D) + 1)
+                               if tuple(t[r][:d]) in wants[r])
+                    assert num[r] - 1 == best, (r, num[r], best)
+
+
+def test_spec_config_ngram_branch():
+    """SpecConfig.ngram_branch: nodes added to a model draft's tree (num_nodes counts them); refused
+    for the n-gram drafter, a chain, deeper than num_steps or not an int >= 0."""
+    c = SpecConfig(method="eagle3", num_steps=5, topk=4, num_draft_tokens=20, ngram_branch=5)
+    assert c.num_nodes == 26 and c.num_draft_tokens == 20
+    assert SpecConfig(method="eagle3", num_steps=5, topk=4, num_draft_tokens=20).num_nodes == 21
+    for kw, msg in [(dict(method="eagle3", num_steps=3, topk=2, ngram_branch=4), r"in \[0, num_steps=3\], got 4"),
+                    (dict(method="eagle3", num_steps=3, topk=2, ngram_branch=-1), "got -1"),
+                    (dict(method="eagle3", num_steps=3, topk=2, ngram_branch=True), "got True"),
+                    (dict(method="draft", num_steps=3, topk=1, ngram_branch=2), "topk=1"),
+                    (dict(method="ngram", num_steps=3, topk=2, ngram_branch=2), "method='ngram'")]:
+        with pytest.raises(ValueError, match=msg):
+            SpecConfig(**kw)
 
 
 def test_greedy_accept_all_and_none():
