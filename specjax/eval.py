@@ -480,7 +480,8 @@ def cmd_eval(a) -> int:
         log(warning)
     summary = run_eval(sets, model=a.model, draft=a.draft, num_steps=a.num_steps, topk=a.topk,
                        num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max, ngram_min=a.ngram_min,
-                       ngram_branch=a.ngram_branch, max_batch=a.max_batch, max_tokens=a.max_tokens, dtype=a.dtype, max_seq_len=a.max_seq_len,
+                       ngram_branch=a.ngram_branch, max_batch=a.max_batch, max_tokens=a.max_tokens, dtype=a.dtype,
+                       max_seq_len=a.max_seq_len,
                        chat=False if a.raw else None, warmup_tokens=a.warmup_tokens, min_accept=a.min_accept,
                        draft_topk=a.draft_topk,
                        log=log)
