@@ -82,14 +82,18 @@ def match_lengths(hist, H, ngram_max: int):
     return jnp.where((p >= 1) & (p <= H[:, None] - 1), m, 0)
 
 
-def candidates(hist, H, spec: SpecConfig):
-    """Start positions [B, topk] int32 of the topk best continuations (see the module doc):
-    by (match length, position) descending; missing ones are H - 1 (repeat the last token)."""
+def candidates(hist, H, spec: SpecConfig, k: int | None = None):
+    """Start positions [B, k] int32 of the k (default spec.topk) best continuations (see the module
+    doc): by (match length, position) descending; missing ones are H - 1 (repeat the last token)."""
     W = hist.shape[1]
+    k = spec.topk if k is None else k
     m = match_lengths(hist, H, spec.ngram_max)
     p = jnp.arange(W, dtype=jnp.int32)[None, :]
-    key = jnp.where(m >= spec.ngram_min, m * W + p, -1)  # [B, W]
-    val, pos = jax.lax.top_k(key, spec.topk)  # [B, k]
+    key = jnp.where(m >= spec.ngram_min, m * W + p, -1)  # [B, W]; unique per position
+    if k == 1:  # the best alone: one reduction
+        val, pos = jnp.max(key, axis=1, keepdims=True), jnp.argmax(key, axis=1, keepdims=True)
+    else:
+        val, pos = jax.lax.top_k(key, k)  # [B, k]
     return jnp.where(val >= 0, pos.astype(jnp.int32), (H - 1)[:, None])
 
 
@@ -122,14 +126,11 @@ def trie_tree(root, cont, num_draft_tokens: int) -> Tree:
 
 def add_branch(hist, H, tree: Tree, spec: SpecConfig) -> Tree:
     """A model draft's tree with spec.ngram_branch more nodes (SpecConfig.ngram_branch): the
-    continuation of each row's best match (the first candidate above, found with one argmax) under
-    the root, merged into the tree by tree.merge_branch. hist [B, W], H [B] as in propose."""
-    W = hist.shape[1]
-    H = jnp.clip(H, 1, W)
-    m = match_lengths(hist, H, spec.ngram_max)
-    key = jnp.where(m >= spec.ngram_min, m * W + jnp.arange(W, dtype=jnp.int32)[None, :], -1)  # [B, W]
-    pos = jnp.where(jnp.max(key, axis=1) >= 0, jnp.argmax(key, axis=1).astype(jnp.int32), H - 1)
-    return tree_lib.merge_branch(tree, continuations(hist, H, pos[:, None], spec.ngram_branch)[:, 0])
+    continuation of each row's best match (candidates' first) under the root, merged into the tree
+    by tree.merge_branch. hist [B, W], H [B] as in propose."""
+    H = jnp.clip(H, 1, hist.shape[1])
+    pos = candidates(hist, H, spec, k=1)
+    return tree_lib.merge_branch(tree, continuations(hist, H, pos, spec.ngram_branch)[:, 0])
 
 
 def propose(hist, H, root, spec: SpecConfig) -> Tree:
