@@ -204,6 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-steps", type=int, default=4)
     p.add_argument("--topk", type=int, default=1)
     p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--ngram-branch", type=int, default=0, help="n-gram nodes added to the tree (SpecConfig.ngram_branch)")
     p.add_argument("--batch", default="1,32")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-seq-len", type=int, default=1024)
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
     from specjax.assets import DEFAULT_HEAD_DIR
     draft = a.draft or (str(DEFAULT_HEAD_DIR) if a.model is None else "self")
     spec = SpecConfig(method=draft_method(draft), num_steps=a.num_steps, topk=a.topk,
-                      num_draft_tokens=a.num_draft_tokens)
+                      num_draft_tokens=a.num_draft_tokens, ngram_branch=a.ngram_branch)
     batches = [int(b) for b in a.batch.split(",")]
     rows = []
     print(f"device: {jax.devices()[0].device_kind}; draft: {draft} ({spec})", flush=True)
