@@ -50,7 +50,7 @@ from specjax import attention as attn_lib
 from specjax import dispatch_plan
 from specjax.adaptive import AcceptanceGate
 from specjax.background_compile import BackgroundCompiles
-from specjax.compile_watch import CompileWatch
+from specjax.compile_watch import CompileWatch, freeze_heap
 from specjax import programs as prog
 from specjax.decode import PrefillRows
 from specjax.engine_dfa import DFASteps
@@ -113,6 +113,7 @@ class Engine(GrammarSteps, DFASteps):
         AttnImpl to force one with its settings, e.g. AttnImpl("pallas", interpret=True) on CPU),
         chosen here once for the target and the draft; `self.attention_choice` says what runs and why.
         JAX's persistent compilation cache is turned on here (specjax.compile_cache)."""
+        freeze_heap(reclaim=True)  # dropped engines (frozen cycles) freed before this one allocates
         from specjax import compile_cache
         compile_cache.enable()
         self.cfg = cfg
@@ -195,6 +196,7 @@ class Engine(GrammarSteps, DFASteps):
         self.dispatched_steps = dict.fromkeys(("decode", "spec", "lite"), 0)  # the steps they ran
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
+        freeze_heap()  # the model's objects, alive for the engine's life: out of later collections' way
 
     def _choose_kernels(self, kv_compact_impl: str, draft_topk: str, num_pages: int, dtype) -> tuple[Kernels, str]:
         """The kernel implementations of this engine's programs, chosen once, here (specjax.kernels)."""

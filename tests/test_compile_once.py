@@ -5,6 +5,9 @@ hits shorten the prefills of the repeated batch, by more than shape reuse's 4x s
 (Across processes: tests/test_compile_cache.py.)"""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,6 +82,42 @@ def test_second_identical_run_compiles_nothing(world, spec):
         assert c.n == 0, f"an identical run compiled {c.n} XLA executables"
     if spec:
         assert eng.stats()["prefix_cache_hit_tokens"] > 0
+
+
+def test_the_engine_freezes_what_its_compiles_leave_alive(world):
+    """specjax.compile_watch.freeze_heap: the objects alive when the engine is built, and those alive
+    after each call that compiled a program, go to the collector's permanent generation (a full
+    collection would walk them at a random decode step otherwise); the requests' own objects do not."""
+    cfg, model, prompts = world
+    gc.unfreeze()  # earlier tests' engines froze the heap too: start from nothing frozen
+    assert gc.get_freeze_count() == 0
+    eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, prefix_cache=False),
+                 BatchOptions(max_batch=2), jnp.float32)
+    at_init = gc.get_freeze_count()
+    assert at_init > 0, "building the engine froze nothing"
+    p = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    reqs = [Request(i, None, q, p, IdTokenizer(), (96,), MAX_SEQ, 7) for i, q in enumerate(prompts)]
+    eng.run(reqs)
+    assert eng.num_compiled() >= 2
+    after = gc.get_freeze_count()
+    assert after > at_init, "the calls that compiled programs froze nothing"
+    assert all(r.token_ids for r in reqs)
+    assert len(gc.get_objects()) < after, "most of the heap should be frozen after the compiles"
+
+
+def test_building_an_engine_reclaims_frozen_cycles(world):
+    """A dropped engine is a reference cycle (its bound methods) frozen with the heap: the next engine
+    built thaws and collects it (its device buffers go with it)."""
+    cfg, model, _ = world
+
+    def build():
+        return Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, prefix_cache=False),
+                      BatchOptions(max_batch=2), jnp.float32)
+
+    old = weakref.ref(build())  # dropped at once: only its own cycles keep it, frozen by its constructor
+    assert old() is not None, "expected the engine to be kept alive by its frozen cycles"
+    build()
+    assert old() is None, "building an engine left an earlier, dropped engine alive"
 
 
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "spec"])
