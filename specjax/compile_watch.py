@@ -20,9 +20,10 @@ After such a call (and once an engine is built) the Python heap is collected and
 the objects alive then (weights' wrappers, executables, jaxprs, tokenizer tables: ~360 000 in an
 engine with the default model and head) move to the collector's permanent generation. Otherwise every
 full collection walks them all, ~0.2 s on a 2-core CI machine, a stall of the decode loop at random
-steps (the eval saw one-off stalls of 0.15-0.26 s on an H200 host). The collect costs that once per new
-program, where the engine thread is already stalled by the compile. Building an engine first thaws
-everything, so what earlier engines left in cycles (a dropped `LLM`, its device buffers) is collected.
+steps (the eval saw one-off stalls of 0.15-0.26 s on an H200 host; that they were this is not yet
+measured). Building an engine first thaws everything and walks it once, so what earlier engines left in
+cycles (a dropped `LLM`, its device buffers) is collected; after a compile only what was made since the
+last freeze is walked, while the engine thread is stalled by the compile anyway.
 """
 from __future__ import annotations
 
