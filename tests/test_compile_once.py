@@ -105,10 +105,12 @@ def test_the_engine_freezes_what_its_compiles_leave_alive(world):
     assert len(gc.get_objects()) < after, "most of the heap should be frozen after the compiles"
 
 
-def test_building_an_engine_reclaims_frozen_cycles(world):
+def test_building_an_engine_reclaims_frozen_cycles(world, monkeypatch):
     """A dropped engine is a reference cycle (its bound methods) frozen with the heap: the next engine
-    built thaws and collects it (its device buffers go with it)."""
+    built thaws and collects it (its device buffers go with it), once the last thaw is RECLAIM_EVERY_S old."""
+    from specjax import compile_watch
     cfg, model, _ = world
+    monkeypatch.setattr(compile_watch, "_last_reclaim", float("-inf"))
 
     def build():
         return Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, prefix_cache=False),
@@ -116,6 +118,9 @@ def test_building_an_engine_reclaims_frozen_cycles(world):
 
     old = weakref.ref(build())  # dropped at once: only its own cycles keep it, frozen by its constructor
     assert old() is not None, "expected the engine to be kept alive by its frozen cycles"
+    build()  # the first build thawed a moment ago: this one does not
+    assert old() is not None, "a thaw within RECLAIM_EVERY_S of the last one"
+    monkeypatch.setattr(compile_watch, "_last_reclaim", float("-inf"))
     build()
     assert old() is None, "building an engine left an earlier, dropped engine alive"
 
