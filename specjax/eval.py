@@ -107,6 +107,12 @@ def draft_vocab_ids(draft, method: str, target_cfg):
     return frozenset((np.asarray(flat["d2t"], np.int64) + np.arange(ecfg.draft_vocab_size)).tolist())
 
 
+def stalls(cat: dict) -> str:
+    """A note on the executables a category's timed runs added (each one stalled its run), or ''."""
+    n = cat["new_programs_plain"], cat["new_programs_spec"]
+    return f" (new programs while timed: plain {n[0]}, spec {n[1]})" if any(n) else ""
+
+
 def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: int | None = None,
              topk: int | None = None,
              num_draft_tokens: int | None = None, ngram_max: int = 4, ngram_min: int = 1, ngram_branch: int = 0,
@@ -163,9 +169,11 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     eos = plain.eos_ids
     cats = {}
     for c, ps in ids.items():
+        pc0 = plain.engine.stats()["compiled_programs"]
         tp = time.perf_counter()
         res_p = _run(plain, ps, params)
         tp = time.perf_counter() - tp
+        pc1 = plain.engine.stats()["compiled_programs"]
         st0 = spec.engine.stats()
         ts = time.perf_counter()
         res_s = _run(spec, ps, params)
@@ -186,16 +194,21 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
                    "tau_per_prompt": [sum(a) / len(a) for a in acc if a],
                    "identical": sum(res_p[i][0].token_ids == res_s[i][0].token_ids for i in ok),
                    "fused_steps": steps["spec"], "lite_steps": steps["lite"],
-                   "gate_probes": st1["gate_probes"] - st0["gate_probes"]}
+                   "gate_probes": st1["gate_probes"] - st0["gate_probes"],
+                   # executables added during the timed runs (compiled, or loaded from the persistent
+                   # cache): each one stalls its run; 0 when the warm-up covered every program
+                   "new_programs_plain": pc1 - pc0,
+                   "new_programs_spec": st1["compiled_programs"] - st0["compiled_programs"]}
         cats[c]["speedup"] = cats[c]["tok_s_spec"] / cats[c]["tok_s_plain"] if cats[c]["tok_s_plain"] else 0.0
         if vocab is not None:  # the target's tokens the head could have proposed at all
             cats[c]["in_draft_vocab"] = sum(t in vocab for i in ok for t in res_p[i][0].token_ids)
         log(f"[eval] {c}: tau {cats[c]['tau']:.3f} (to EOS {cats[c]['tau_to_eos']:.3f}), plain "
             f"{cats[c]['tok_s_plain']:.1f} tok/s, spec {cats[c]['tok_s_spec']:.1f} tok/s, speed-up "
-            f"{cats[c]['speedup']:.2f}x")
+            f"{cats[c]['speedup']:.2f}x" + stalls(cats[c]))
     tot = {k: sum(v[k] for v in cats.values()) for k in ("prompts", "tokens_plain", "tokens_spec", "seconds_plain",
                                                        "seconds_spec", "spec_steps", "steps_to_eos", "identical",
-                                                       "fused_steps", "lite_steps", "gate_probes")}
+                                                       "fused_steps", "lite_steps", "gate_probes",
+                                                       "new_programs_plain", "new_programs_spec")}
     if vocab is not None:
         tot["in_draft_vocab"] = sum(v["in_draft_vocab"] for v in cats.values())
 

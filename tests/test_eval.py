@@ -160,6 +160,9 @@ def test_eval_shipped_head_small_run(tmp_path):
     g = s["categories"]["gsm8k"]
     assert g["identical"] == 2 and g["tau"] > 1.0 and g["tokens_plain"] == g["tokens_spec"] == 48
     assert len(g["acc"]) == 4 and 0 <= g["acc"][3] <= g["acc"][0] <= 1
+    # the warm-up compiled every program the timed runs use (a program added while timed stalls them)
+    assert (g["new_programs_plain"], g["new_programs_spec"]) == (0, 0)
+    assert s["overall"]["new_programs_spec"] == 0
     assert "| gsm8k |" in (tmp_path / "eval.md").read_text() and (tmp_path / "eval.png").stat().st_size > 1000
 
 
