@@ -197,14 +197,16 @@ def block_bounds(q_start, kv_len, mask_start, g: Geometry):
 
 def pack_block_rows(block_mask, g: Geometry):
     """block_mask [B, T, W] -> [B, NW, Rp] int32, NW = ceil(W / 32): bit w % 32 of word w // 32 of query
-    row r = t * G + g is block_mask[b, t, w] (rows past R are zero)."""
+    row r = t * G + g is block_mask[b, t, w] (rows past R are zero). The rows are laid out and padded
+    before the bits are summed, so that XLA makes one reduction kernel of it (packing, then broadcasting
+    and padding the words, was two kernels per attention call; 32 bits x 64 rows is still tiny)."""
     B, T, W = block_mask.shape
     nw = -(-W // 32)
-    bm = jnp.pad(block_mask.astype(bool), ((0, 0), (0, 0), (0, nw * 32 - W)))
-    bits = bm.reshape(B, T, nw, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
-    words = jax.lax.bitcast_convert_type(jnp.sum(bits, axis=-1, dtype=jnp.uint32), jnp.int32)  # [B, T, NW]
-    rows = jnp.broadcast_to(words.transpose(0, 2, 1)[:, :, :, None], (B, nw, T, g.G)).reshape(B, nw, T * g.G)
-    return jnp.pad(rows, ((0, 0), (0, 0), (0, g.Rp - g.R)))
+    rows = jnp.broadcast_to(block_mask.astype(bool)[:, :, None, :], (B, T, g.G, W)).reshape(B, g.R, W)
+    rows = jnp.pad(rows, ((0, 0), (0, g.Rp - g.R), (0, nw * 32 - W)))  # [B, Rp, NW * 32]
+    bits = rows.reshape(B, g.Rp, nw, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+    words = jax.lax.bitcast_convert_type(jnp.sum(bits, axis=-1, dtype=jnp.uint32), jnp.int32)  # [B, Rp, NW]
+    return words.transpose(0, 2, 1)  # NW = 1 (trees up to 33 entries): a bitcast
 
 
 def visible_block(kidx, m, W: int, words):

@@ -156,3 +156,24 @@ def test_write_indices_and_write_kv(page_size):
     for off in range(page_size):
         cands = [k0[TRASH_PAGE, off]] + [k_new[b, t] for b, t in pads if idx[b, t] % page_size == off]
         assert (np.stack(cands) == kp[TRASH_PAGE, off][None]).any(axis=0).all(), off
+
+
+@pytest.mark.parametrize("T,G,W,block_q", [(21, 3, 21, 64), (4, 3, 16, 64), (5, 4, 40, 64), (17, 4, 70, 128)])
+def test_pack_block_rows_bits(T, G, W, block_q):
+    """The packed block mask: bit w % 32 of word w // 32 of query row r = t * G + g is block_mask[b, t, w],
+    rows past T * G are zero (brute force, words of one and of several 32-bit groups)."""
+    from pallas_kernels.paged_attention import Geometry, pack_block_rows
+    B = 2
+    g = Geometry(B=B, T=T, H=3 * G, Hkv=3, D=64, P=8, ps=16, block_q=block_q, window=None, scale=0.125)
+    mask = np.random.default_rng(T + W).random((B, T, W)) < 0.5
+    got = np.asarray(pack_block_rows(jnp.asarray(mask), g)).astype(np.int64) & 0xFFFFFFFF
+    nw = -(-W // 32)
+    assert got.shape == (B, nw, g.Rp)
+    want = np.zeros((B, nw, g.Rp), np.int64)
+    for b in range(B):
+        for t in range(T):
+            for gi in range(G):
+                for w in range(W):
+                    if mask[b, t, w]:
+                        want[b, w // 32, t * G + gi] |= 1 << (w % 32)
+    np.testing.assert_array_equal(got, want)
