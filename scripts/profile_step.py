@@ -8,6 +8,10 @@
     python scripts/profile_step.py --dtype float32 --max-tokens 16 --draft none   # CPU smoke run
 
 Prints per batch: kernels per step, device µs per step, and the top scopes (count / µs per step).
+The µs are sums of kernel durations: XLA launches its GEMM fusions with programmatic dependent launch
+(PDL), so such a kernel starts before its predecessor ends and waits inside it; the sum overstates the
+device's busy time (H200: 1 326 µs per step with PDL, 1 252 with `--xla_gpu_enable_pdl=false`, while
+the engine ran 3 % faster with PDL; docs/benchmarks.md). Compare profiles taken with the same flags.
 Scopes are the jax named scopes (verify, accept, compact, draft, ...) below the program's loop;
 `--depth` sets how many levels are kept. Kernels of another program (prefill) are left out by
 module name (`--module-re`).
