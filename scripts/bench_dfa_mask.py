@@ -23,7 +23,7 @@ state per node, tables of --states x --classes per slot):
   *_alone    the masked logits written out (no consumer), for the sampling paths
   K = 1 is plain decoding's (and a chain draft depth's) mask, K = num_steps + 1 a chain's
   verify; rows with V = --draft-vocab show what masking EAGLE-3 drafts in the draft vocabulary
-  costs (EAGLE-3 heads draft under the DFA in their own vocabulary: step._draft_vocab_view).
+  costs (EAGLE-3 heads draft under the DFA in their own vocabulary: draft_tree.draft_vocab_view).
 tree_states: the DFA state of each node of a chain / random tree of K nodes: the old node-by-node
   device loop (tree_states_reference) and the new unrolled relaxation over the depth (tree_states).
 

@@ -26,7 +26,7 @@ nested JSON schema (real masks; acceptance differs from free text): on the host 
 grammar drafts (the text the schema fixes drafted by the host: specjax.grammar_drafts) and without
 ("no-drafts"), and on the device DFA ("json dfa": the schema's regex, specjax.json_schema_regex;
 the draft drafts under the DFA masks, an EAGLE-3 head (the default here) over its own vocabulary
-(step._draft_vocab_view; since 2026-11-26, unmasked before); same tokens as the host path). Plain
+(draft_tree.draft_vocab_view; since 2026-11-26, unmasked before); same tokens as the host path). Plain
 decoding with a grammar runs one token per step (forward | sample, the masks computed while the
 forward runs; "no-overlap": masks first). Goals checked: bubble <= 2% for the unconstrained async
 scenarios and <= 5% with grammars (overlap); the permissive regex >= 0.95x the unconstrained

@@ -17,7 +17,7 @@ where the continuation is built token by token (at most S + 1 = num_steps + 1 to
     may continue with `title` or `t`; the model almost always takes the canonical one);
   * otherwise (a free choice) the continuation ends; it also ends after a stop token.
 
-Device (specjax.step.grammar_levels, in the accept + draft program): after acceptance ends at node n*
+Device (specjax.draft_tree.grammar_levels, in the accept + draft program): after acceptance ends at node n*
 with the bonus token b (the next root), when drafts[n*, 0] == b (always so for a certain token) the
 tokens drafts[n*, 1:] become the first levels of the next tree: a chain's first nodes, or for an
 EAGLE-2 tree the only candidate of each of those levels (score 0: kept first; the other candidates

@@ -19,7 +19,7 @@ a choice never changes under a compiled program).
                  grammar masks with the level's log-softmax inside it; "auto": "reduce" on GPU, where it
                  took 43 us off a 1 289 us SmolLM2 fused step (H200, docs/benchmarks.md), "xla"
                  elsewhere (unmeasured)
-      -> Kernels(draft_topk=...) -> the tree growth (specjax.step._grow)
+      -> Kernels(draft_topk=...) -> the tree growth (specjax.draft_tree.grow)
 
 Attention is dispatched in specjax.attention.
 """

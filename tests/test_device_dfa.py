@@ -442,7 +442,7 @@ def test_eagle3_drafts_masked_in_the_draft_vocabulary():
     tokens keeps its unmasked law (no all -inf row), and a shared-vocabulary draft is masked as is."""
     import types
 
-    from specjax import step
+    from specjax import draft_tree
     td = token_dfa(REGEXES[1])  # (yes|no)!
     dev = DeviceDFA(td, (EOS,))
     cls, nxt = dev.padded(16, 32)
@@ -455,17 +455,17 @@ def test_eagle3_drafts_masked_in_the_draft_vocabulary():
     to_target = np.array(keep, np.int32)
     head = types.SimpleNamespace(to_target_ids=lambda ids: jnp.asarray(to_target)[ids])
     info = DraftInfo("eagle3", (1, 2, 3))
-    mv = step._draft_vocab_view(info, head, v, len(keep))
+    mv = draft_tree.draft_vocab_view(info, head, v, len(keep))
     lp = jnp.asarray(np.random.default_rng(0).normal(size=(2, 1, len(keep))), jnp.float32)
-    got = np.asarray(step._mask_draft(info, lp, mv, v.state[:, None]))
+    got = np.asarray(draft_tree.mask_draft(info, lp, mv, v.state[:, None]))
     allowed0 = td.allowed(0)[to_target]  # at the start: "y" or "n"
     np.testing.assert_array_equal(np.isfinite(got[0, 0]), allowed0)
     assert allowed0.sum() == 2
     np.testing.assert_array_equal(got[1, 0], np.asarray(lp[1, 0]))  # nothing allowed in the head's vocabulary
     shared = DraftInfo("draft")
-    assert step._draft_vocab_view(shared, None, v, 97) is v
+    assert draft_tree.draft_vocab_view(shared, None, v, 97) is v
     full = jnp.asarray(np.random.default_rng(1).normal(size=(2, 1, 97)), jnp.float32)
-    np.testing.assert_array_equal(np.asarray(step._mask_draft(shared, full, v, v.state[:, None])),
+    np.testing.assert_array_equal(np.asarray(draft_tree.mask_draft(shared, full, v, v.state[:, None])),
                                   np.asarray(dfa_lib.mask_logits(full, v, v.state[:, None])))
 
 

@@ -291,13 +291,13 @@ def test_sampling_with_grammar_drafts_matches_masked_law(small, masked_logits):
 def test_chi2_rejects_grammar_tokens_with_the_drafts_proposal(small, masked_logits, monkeypatch):
     """Power against the bug this path could have: a grammar token keeping the draft's proposal q
     (acceptance min(1, p / q) with q(token) < 1 favours the likely tokenization "cd" over "c")."""
-    from specjax import step
-    force = step._force
+    from specjax import draft_tree
+    force = draft_tree.force_level
 
     def keep_q(spec, s, forced, tok, sc, q):
         tok, sc, _ = force(spec, s, forced, tok, sc, q)
         return tok, sc, q
-    monkeypatch.setattr(step, "_force", keep_q)
+    monkeypatch.setattr(draft_tree, "force_level", keep_q)
     samples, placed, _ = _grammar_samples(small, CHAIN, 1.0, 2000)
     pval, _, _ = _chi2(samples, _masked_law(masked_logits, 1.0))
     assert placed > 200 and pval < 1e-6, pval

@@ -8,7 +8,7 @@ attention instead of the cache:
           entries 0..t of its own sequence (what the committed draft cache holds at inference);
   step j, index t: token x_{t+1+j}, feature = the head's step j-1 output at t, position t + j; it
           attends to the step-0 entries 0..t plus the step 1..j entries at index t (its own chain of
-          predictions: the scratch ancestors of a drafted node at inference, see specjax.step._grow).
+          predictions: the scratch ancestors of a drafted node at inference, see specjax.draft_tree.grow).
 
 So step j at index t is the depth-j drafted node of a chain rooted at x_{t+1}, fed at the same
 position, with the same visible keys, as in the engine. tests/test_train.py checks steps 0..2
