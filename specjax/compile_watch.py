@@ -60,7 +60,10 @@ def install() -> None:
             _installed = True
 
 
-RECLAIM_EVERY_S = 60.0  # a thaw walks the whole heap: ~0.2 s for one engine, ~0.7 s in a test process
+# seconds between two thaws (0: every engine built thaws, so a dropped engine's device buffers are freed
+# before the next one allocates). A thaw walks the whole heap: ~0.2 s for one engine, ~0.7 s in a test
+# process, whose conftest raises this to a minute (it builds hundreds of small engines).
+RECLAIM_EVERY_S = 0.0
 _last_reclaim = float("-inf")
 
 
@@ -69,8 +72,8 @@ def freeze_heap(reclaim: bool = False) -> None:
     (gc.freeze): later collections skip them (see the module doc). Frozen objects are still freed by
     reference counting; a cycle among them stays until a call with reclaim=True (an engine being
     built: a dropped LLM's engine is such a cycle) puts every frozen object back before collecting, at
-    most once per RECLAIM_EVERY_S (a process building engines back to back, a test run, would otherwise
-    walk its whole heap each time; without the freeze, such cycles also waited for a full collection)."""
+    most once per RECLAIM_EVERY_S (every call by default; without the freeze, such cycles waited for a
+    full collection)."""
     global _last_reclaim
     if reclaim and time.monotonic() - _last_reclaim >= RECLAIM_EVERY_S:
         gc.unfreeze()

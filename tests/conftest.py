@@ -39,6 +39,14 @@ if not _user_set:
         warnings.warn(f"could not set {NUM_CPU_DEVICES} CPU devices: {e}", stacklevel=1)
 
 
+# A test process builds hundreds of small engines; each build thawing the frozen heap (its default,
+# so that a dropped engine's buffers are freed before the next allocates) cost ~0.7 s here: a dropped
+# engine waits up to a minute instead (tests/test_compile_once.py checks both settings).
+from specjax import compile_watch  # noqa: E402
+
+compile_watch.RECLAIM_EVERY_S = 60.0
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE is not None:  # the process that made the run's cache (not an xdist worker)
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)

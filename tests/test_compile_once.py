@@ -107,15 +107,23 @@ def test_the_engine_freezes_what_its_compiles_leave_alive(world):
 
 def test_building_an_engine_reclaims_frozen_cycles(world, monkeypatch):
     """A dropped engine is a reference cycle (its bound methods) frozen with the heap: the next engine
-    built thaws and collects it (its device buffers go with it), once the last thaw is RECLAIM_EVERY_S old."""
+    built thaws and collects it (its device buffers go with it): by default at every build; with
+    RECLAIM_EVERY_S set (the test process's conftest), once the last thaw is that old."""
     from specjax import compile_watch
     cfg, model, _ = world
-    monkeypatch.setattr(compile_watch, "_last_reclaim", float("-inf"))
 
     def build():
         return Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, prefix_cache=False),
                       BatchOptions(max_batch=2), jnp.float32)
 
+    monkeypatch.setattr(compile_watch, "RECLAIM_EVERY_S", 0.0)  # the library's default
+    old = weakref.ref(build())
+    assert old() is not None, "expected the engine to be kept alive by its frozen cycles"
+    build()
+    assert old() is None, "the default: building an engine left an earlier, dropped engine alive"
+
+    monkeypatch.setattr(compile_watch, "RECLAIM_EVERY_S", 60.0)
+    monkeypatch.setattr(compile_watch, "_last_reclaim", float("-inf"))
     old = weakref.ref(build())  # dropped at once: only its own cycles keep it, frozen by its constructor
     assert old() is not None, "expected the engine to be kept alive by its frozen cycles"
     build()  # the first build thawed a moment ago: this one does not
