@@ -192,6 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--draft-topk", choices=DRAFT_TOPK_CHOICES, default="auto",
                    help="the draft's top-k (LLM(draft_topk=...); auto: the engine's choice)")
+    p.add_argument("--attention", default="auto", help="paged-attention implementation (LLM(attention=...))")
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--ops", type=int, default=0, help="also print the N costliest instructions (op_name, kernel)")
@@ -214,7 +215,8 @@ def main(argv=None) -> int:
         kw["spec"] = SpecConfig(method=draft_method(draft), num_steps=a.num_steps, topk=a.topk or 1,
                                 num_draft_tokens=a.num_draft_tokens or a.num_steps, ngram_branch=a.ngram_branch)
     llm = LLM(a.model, dtype=a.dtype, max_batch=max(batches), max_seq_len=2048, draft=draft,
-              draft_topk=a.draft_topk, **kw)
+              draft_topk=a.draft_topk, attention=a.attention, **kw)
+    print("attention:", llm.engine.attention_choice)
     smap, rows = {}, []
     for b in batches:
         rows.append(run(llm, b, a.max_tokens, a.temperature, a.depth, a.module_re, a.top, smap, a.ops))

@@ -13,6 +13,13 @@ k is rounded up to a power of two inside (the merge network needs one) and the e
 `top_k_log_softmax` adds a running (max, sum of exponentials) pair to the accumulator (an online
 log-sum-exp: associative up to float rounding), so a tree level's log-softmax and top-k are one reduction.
 
+A long row is reduced in two stages: chunks of CHUNK entries first ([..., V] -> [..., V / CHUNK] lists,
+padded with (-inf, V) to whole chunks), then the lists of the chunks. XLA gives a row reduction one block
+per row, so a tree level's few rows (4 of 16 384) ran on 4 blocks: 11 us per level on an H200 (44 of the
+draft's 270 us per fused step); in chunks the first stage has rows x chunks blocks: 3.6 + 1.5 us per level,
+the fused step 1 243 -> 1 206 us (docs/benchmarks.md, 2026-11-28). The same merges in another order: the
+same result (top-k exactly, log-sum-exp up to float rounding).
+
     top_k_reduce(x [..., V], k) -> (values [..., k] x.dtype, indices [..., k] int32)
 
 Which one a program runs is a static kernel choice (specjax.kernels.Kernels.draft_topk), chosen once
@@ -25,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 IMPLS = ("xla", "reduce")  # lax.top_k (XLA's TopK), top_k_reduce
+CHUNK = 256  # entries per first-stage chunk of a long row (0: one stage); 256-2048 within ~1 us on an H200
 
 
 def _better(va, ia, vb, ib):
@@ -68,7 +76,7 @@ def _merge(kp: int, lse: bool = False):
     return reducer
 
 
-def _reduce(x, k: int, lse: bool):
+def _reduce(x, k: int, lse: bool, chunk: int = CHUNK):
     if lse:  # one precision in a reduction: the log-sum-exp's float32
         x = x.astype(jnp.float32)
     V = x.shape[-1]
@@ -77,14 +85,24 @@ def _reduce(x, k: int, lse: bool):
     kp = 1 << (k - 1).bit_length()
     low = jnp.array(-jnp.inf, x.dtype)
     idx = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    init = (low,) * kp + (jnp.int32(V),) * kp
+    if lse:
+        init += (jnp.float32(-jnp.inf), jnp.float32(0.0))
+    merge = _merge(kp, lse)
+    staged = 0 < chunk < V
+    if staged:  # [..., V] -> [..., nc, chunk], the tail padded with entries that come after every real one
+        nc = -(-V // chunk)
+        pad = [(0, 0)] * (x.ndim - 1) + [(0, nc * chunk - V)]
+        x = jnp.pad(x, pad, constant_values=-jnp.inf).reshape(x.shape[:-1] + (nc, chunk))
+        idx = jnp.pad(idx, pad, constant_values=V).reshape(x.shape)
     pad_v = jnp.broadcast_to(low, x.shape)
     pad_i = jnp.broadcast_to(jnp.int32(V), x.shape)  # after every real index
     ops = (x,) + (pad_v,) * (kp - 1) + (idx,) + (pad_i,) * (kp - 1)
-    init = (low,) * kp + (jnp.int32(V),) * kp
     if lse:  # an element is (m = x, s = 1)
         ops += (x, jnp.where(x == -jnp.inf, 0.0, 1.0).astype(jnp.float32))
-        init += (jnp.float32(-jnp.inf), jnp.float32(0.0))
-    out = lax.reduce(ops, init, _merge(kp, lse), (x.ndim - 1,))
+    out = lax.reduce(ops, init, merge, (x.ndim - 1,))
+    if staged:  # the chunks' lists, merged
+        out = lax.reduce(tuple(out), init, merge, (x.ndim - 2,))
     vals, ids = jnp.stack(out[:k], axis=-1), jnp.stack(out[kp:kp + k], axis=-1)
     if not lse:
         return vals, ids
@@ -92,13 +110,14 @@ def _reduce(x, k: int, lse: bool):
     return vals, ids, jnp.where(m == -jnp.inf, m, m + jnp.log(tot))
 
 
-def top_k_reduce(x, k: int):
+def top_k_reduce(x, k: int, chunk: int = CHUNK):
     """(values, indices) of the k largest entries of x's last axis, best first, ties to the lower index:
-    lax.top_k's result, computed as one variadic reduction (module doc). x: float, no NaN."""
-    return _reduce(x, k, False)
+    lax.top_k's result, computed as a variadic reduction (module doc; rows longer than chunk in two
+    stages). x: float, no NaN."""
+    return _reduce(x, k, False, chunk)
 
 
-def top_k_log_softmax(x, k: int, impl: str = "xla"):
+def top_k_log_softmax(x, k: int, impl: str = "xla", chunk: int = CHUNK):
     """(log-probs [..., k] float32, indices [..., k] int32) of the k best entries of log_softmax(x) over the
     last axis (ties to the lower index). "reduce": the top-k and the log-sum-exp in the same one
     reduction (online: running max and rescaled sum), so the [..., V] log-probs are never written; its
@@ -109,7 +128,7 @@ def top_k_log_softmax(x, k: int, impl: str = "xla"):
         return top_k(jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), k, "xla")
     if impl != "reduce":
         raise ValueError(f"top-k implementation must be one of {IMPLS}, got {impl!r}")
-    vals, ids, lse = _reduce(x, k, True)
+    vals, ids, lse = _reduce(x, k, True, chunk)
     lse = lse[..., None]
     return jnp.where(lse == -jnp.inf, -jnp.inf, vals.astype(jnp.float32) - lse), ids
 

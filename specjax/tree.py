@@ -232,13 +232,19 @@ def select_tree(root_tokens, step_tokens, step_scores, step_parents, num_draft_t
     gpar = jnp.concatenate(gparents, axis=1)  # [B, K] global candidate index, -1 = root
     dep = jnp.concatenate(depths, axis=1)  # [B, K]
 
-    # Flat order is (depth, index), so a stable descending sort breaks ties as documented.
-    keep = jnp.argsort(-eff, axis=1, stable=True)[:, :m]  # [B, M]
-    keep = jnp.sort(keep, axis=1).astype(jnp.int32)  # node order: (depth, index)
+    # Flat order is (depth, index): a candidate's rank counts those before it (a better score, or the
+    # same score and a lower flat index); the m of rank < m are kept, numbered in flat order. Compares
+    # and sums over K x K (K <= ~100) instead of two sorts: fewer and cheaper kernels on a GPU, the
+    # same result as a stable descending sort.
+    eff = jnp.where(jnp.isnan(eff), -jnp.inf, eff)  # a NaN score ranks as -inf, never first
+    idx = jnp.arange(k_total, dtype=jnp.int32)
+    ahead = (eff[:, None, :] > eff[:, :, None]) | ((eff[:, None, :] == eff[:, :, None]) & (idx[None, :] < idx[:, None]))
+    kept = jnp.sum(ahead, axis=2, dtype=jnp.int32) < m  # [B, K]
+    node_of = jnp.where(kept, jnp.cumsum(kept, axis=1, dtype=jnp.int32), 0)  # candidate -> node (0 = not kept)
+    nodes = jnp.arange(1, m + 1, dtype=jnp.int32)
+    keep = jnp.sum(jnp.where(node_of[:, None, :] == nodes[None, :, None], idx[None, None, :], 0), axis=2,
+                   dtype=jnp.int32)  # [B, M] the candidate of each node
 
-    rows = jnp.arange(b)[:, None]
-    node_of = jnp.zeros((b, k_total), jnp.int32).at[rows, keep].set(
-        jnp.arange(1, m + 1, dtype=jnp.int32)[None, :])  # candidate -> node index (0 = not kept)
     cpar = jnp.take_along_axis(gpar, keep, axis=1)  # [B, M]
     npar = jnp.where(cpar < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(cpar, 0), axis=1))
 

@@ -28,14 +28,16 @@ def test_reduce_equals_lax_top_k(shape, k):
     x = np.round(rng.standard_normal(shape) * 3) / 3  # many ties
     x[..., ::7] = -np.inf
     x = x.astype(np.float32)
-    v, i = jax.jit(top_k_reduce, static_argnums=1)(x, k)
     rv, ri = lax.top_k(x, k)
-    assert v.shape == rv.shape and i.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
-    np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
-    # brute force: the stable descending order
-    order = np.argsort(-x, axis=-1, kind="stable")[..., :k]
-    np.testing.assert_array_equal(np.asarray(i), order)
+    order = np.argsort(-x, axis=-1, kind="stable")[..., :k]  # brute force: the stable descending order
+    # one stage; two stages (the default chunk; chunks of 8 with a padded tail where 8 does not divide V)
+    for chunk in (0, None, 8):
+        kw = {} if chunk is None else {"chunk": chunk}
+        v, i = jax.jit(lambda a: top_k_reduce(a, k, **kw))(x)
+        assert v.shape == rv.shape and i.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
+        np.testing.assert_array_equal(np.asarray(i), order)
 
 
 def test_reduce_edge_cases():
@@ -67,12 +69,13 @@ def test_log_softmax_in_the_reduction(shape, k, scale):
     rng = np.random.default_rng(k)
     x = (rng.standard_normal(shape) * scale).astype(np.float32)
     x[..., ::5] = -np.inf
-    lp, ids = jax.jit(top_k_log_softmax, static_argnums=(1, 2))(x, k, "reduce")
     ref, rids = lax.top_k(jax.nn.log_softmax(jnp.asarray(x), axis=-1), k)
-    assert lp.dtype == jnp.float32 and ids.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(rids))
-    # -inf where ref is; else the rounding of two sums of V exponentials in other orders
-    np.testing.assert_allclose(np.asarray(lp), np.asarray(ref), rtol=0, atol=1e-4)
+    for chunk in (0, 512, 8):  # one stage, two stages (a padded tail where the chunk does not divide V)
+        lp, ids = jax.jit(top_k_log_softmax, static_argnums=(1, 2, 3))(x, k, "reduce", chunk)
+        assert lp.dtype == jnp.float32 and ids.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(rids))
+        # -inf where ref is; else the rounding of two sums of V exponentials in other orders
+        np.testing.assert_allclose(np.asarray(lp), np.asarray(ref), rtol=0, atol=1e-4)
     xla_lp, xla_ids = top_k_log_softmax(x, k, "xla")
     assert (np.asarray(xla_ids) == np.asarray(rids)).all()
     np.testing.assert_array_equal(np.asarray(xla_lp), np.asarray(ref))

@@ -174,6 +174,13 @@ def test_select_tree_closure_with_bad_scores():
     for m in (1, 4, 9, max_candidates(s, k)):
         tree = _select(jnp.zeros((B,), jnp.int32), step_tokens, step_scores, step_parents, m)
         check_tree_invariants(tree, np.zeros(B, np.int32))
+    # a NaN score (a broken draft) ranks with -inf: a closed tree without that candidate (root child 0)
+    step_scores[0] = step_scores[0].at[:, 0].set(jnp.nan)
+    step_tokens[0] = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (B, k))
+    tree = _select(jnp.zeros((B,), jnp.int32), step_tokens, step_scores, step_parents, 4)
+    check_tree_invariants(tree, np.zeros(B, np.int32))
+    depth1 = np.where(np.asarray(tree.depth) == 1, np.asarray(tree.tokens), -1)
+    assert (depth1 != 0).all() and ((depth1 == 1) | (depth1 == 2)).any(axis=1).all()
 
 
 def test_chain_tree_matches_select_topk1():
