@@ -160,7 +160,7 @@ def _line_constraint(row: dict) -> dict:
 
 def add_model_arguments(g: argparse.ArgumentParser) -> None:
     """Flags that choose and size the model, the engine and speculative decoding (llm_from_args)."""
-    from specjax.machine import DTYPE_CHOICES
+    from specjax.machine import ATTENTION_CHOICES, DTYPE_CHOICES
     g.add_argument("--model", default=None, metavar="DIR",
                    help="converted model directory (default: SmolLM2-135M-Instruct, fetched on first use)")
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -170,7 +170,7 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                    help="context length per request: prompt + generated tokens")
     g.add_argument("--tensor-parallel", type=positive_int, default=1,
                    help="shard the model (heads, MLP, vocabulary, KV heads) over N devices")
-    g.add_argument("--attention", default="auto", choices=["auto", "reference", "pallas", "mosaic_gpu", "tpu", "cudnn"],
+    g.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
                    help="paged-attention implementation (auto: the Mosaic GPU kernel on Hopper GPUs, cuDNN "
                         "on other NVIDIA GPUs and for plain decoding of one row, the TPU kernel on TPU, the "
                         "jnp reference on the CPU; chosen once at start)")

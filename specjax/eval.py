@@ -119,11 +119,11 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
              max_batch: int = 1,
              max_tokens: int = MAX_TOKENS, dtype: str = "auto", max_seq_len: int = 2048,
              chat: bool | None = None, warmup_tokens: int = 8, min_accept="auto", draft_topk: str = "auto",
-             log=print) -> dict:
+             attention: str = "auto", log=print) -> dict:
     """Plain vs speculative greedy decoding per category, the same tokens per prompt (EOS ignored)
     -> summary dict (see module doc). draft: a draft directory, "self" or "ngram"; min_accept: the
     speculative LLM's acceptance gate (LLM(min_accept=...), specjax.adaptive); draft_topk: its draft
-    tree's top-k (LLM(draft_topk=...))."""
+    tree's top-k (LLM(draft_topk=...)); attention: both LLMs' paged attention (LLM(attention=...))."""
     import dataclasses
 
     from specjax import LLM, SamplingParams
@@ -141,9 +141,9 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
         from specjax.llm import default_spec
         spec_cfg = default_spec(draft, method, max_batch, ngram_branch=ngram_branch, ngram_max=ngram_max,
                                 ngram_min=ngram_min)
-    plain = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len)
+    plain = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len, attention=attention)
     spec = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len, draft=draft, spec=spec_cfg,
-               min_accept=min_accept, draft_topk=draft_topk)
+               min_accept=min_accept, draft_topk=draft_topk, attention=attention)
     spec_cfg = spec.spec
     num_steps, topk = spec_cfg.num_steps, spec_cfg.topk
     vocab = draft_vocab_ids(draft, method, plain.cfg)
@@ -226,7 +226,9 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
                 "num_steps": num_steps, "topk": topk, "num_draft_tokens": spec_cfg.num_draft_tokens,
                 "max_batch": max_batch, "max_tokens": max_tokens, "ignore_eos": True, "dtype": plain.dtype, "chat": chat,
                 "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "min_accept": gate,
-                "draft_vocab_size": None if vocab is None else len(vocab)}
+                "draft_vocab_size": None if vocab is None else len(vocab),
+                "attention_plain": plain.engine.attention_choice["attention"],
+                "attention_spec": spec.engine.attention_choice["attention"]}
     if spec_cfg.method == "ngram" or spec_cfg.ngram_branch:
         settings.update(ngram_max=ngram_max, ngram_min=ngram_min, ngram_branch=spec_cfg.ngram_branch)
     return {"settings": settings, "categories": cats, "overall": tot, "prompt_ids": ids}
@@ -394,7 +396,7 @@ def plot(summary: dict, png: str | Path) -> Path:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from specjax.cli import DRAFT_TOPK_CHOICES, HelpFormatter, min_accept_arg
-    from specjax.machine import DTYPE_CHOICES
+    from specjax.machine import ATTENTION_CHOICES, DTYPE_CHOICES
     p.formatter_class = HelpFormatter  # --help shows the defaults (also for scripts/eval_acceptance.py)
     p.add_argument("--model", default=None, help="converted model dir (default: SmolLM2-135M-Instruct)")
     p.add_argument("--speculate", choices=("head", "ngram"), default=None,
@@ -432,6 +434,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="compute dtype; auto: float32 on the CPU, bfloat16 on GPUs and TPUs")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context length")
+    p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
+                   help="paged attention of both engines (as `specjax generate --attention`)")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens per prompt of the compiling warm-up")
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("--json", help="write the summary as JSON")
@@ -496,8 +500,7 @@ def cmd_eval(a) -> int:
                        ngram_branch=a.ngram_branch, max_batch=a.max_batch, max_tokens=a.max_tokens, dtype=a.dtype,
                        max_seq_len=a.max_seq_len,
                        chat=False if a.raw else None, warmup_tokens=a.warmup_tokens, min_accept=a.min_accept,
-                       draft_topk=a.draft_topk,
-                       log=log)
+                       draft_topk=a.draft_topk, attention=a.attention, log=log)
     ids = summary.pop("prompt_ids")
     if a.hf_baseline:
         hf = summary["hf"] = hf_baseline(_gguf(a), ids, a.max_tokens, a.hf_device, a.hf_lookup_tokens,

@@ -22,6 +22,7 @@ log = logging.getLogger("specjax")
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+ATTENTION_CHOICES = ("auto", "reference", "pallas", "mosaic_gpu", "tpu", "cudnn")  # specjax.attention's names
 _logged = False
 
 

@@ -82,6 +82,12 @@ def test_cli_eval_arguments(tmp_path, capsys):
     assert (a.draft, a.ngram_max, a.ngram_min) == ("ngram", 3, 1)
     a = _args("--quick")
     assert (a.limit, a.max_tokens) == (spec_eval.QUICK_LIMIT, spec_eval.QUICK_TOKENS)
+    assert (a.attention, _args("--attention", "cudnn").attention) == ("auto", "cudnn")
+    from specjax import attention as attn_lib  # every name the flag takes is an implementation
+    from specjax.machine import ATTENTION_CHOICES
+    assert set(ATTENTION_CHOICES) - {"auto"} <= set(attn_lib._FACTORIES)
+    with pytest.raises(SystemExit):
+        _args("--attention", "flash")
     assert (_args("--quick", "--limit", "5").limit, _args("--quick", "--max-tokens", "9").max_tokens) == (5, 9)
     for argv, msg in ((["--model", "m"], "with --model give --draft DIR or --speculate ngram"),
                       (["--speculate", "ngram", "--draft", "d"], "not both"),
@@ -157,6 +163,7 @@ def test_eval_shipped_head_small_run(tmp_path):
     assert rc == 0
     s = json.loads(out.read_text())
     assert s["settings"]["draft"] == str(DEFAULT_HEAD_DIR) and s["settings"]["method"] == "eagle3"
+    assert "reference" in s["settings"]["attention_plain"] and "forced" not in s["settings"]["attention_spec"]
     g = s["categories"]["gsm8k"]
     assert g["identical"] == 2 and g["tau"] > 1.0 and g["tokens_plain"] == g["tokens_spec"] == 48
     assert len(g["acc"]) == 4 and 0 <= g["acc"][3] <= g["acc"][0] <= 1
@@ -177,10 +184,11 @@ def test_eval_ngram_small_run(tmp_path, capsys):
         "Rewrite this sentence in the past tense: The children walk to school and play in the park.")))
     rc = cli.main(["eval", "--speculate", "ngram", "--prompts", str(src), "--max-tokens", "24", "--dtype", "float32",
                    "--max-seq-len", "128", "--num-steps", "4", "--topk", "2", "--warmup-tokens", "2",
-                   "--json", str(out)])
+                   "--attention", "reference", "--json", str(out)])
     assert rc == 0, capsys.readouterr().err
     s = json.loads(out.read_text())
     assert (s["settings"]["method"], s["settings"]["draft"], s["settings"]["ngram_max"]) == ("ngram", "ngram", 4)
+    assert "reference (forced)" in s["settings"]["attention_plain"] == s["settings"]["attention_spec"]
     c = s["categories"]["copy"]
     assert c["identical"] == 2 and c["tokens_plain"] == c["tokens_spec"] == 48
     assert c["tau"] > 1.2 and c["acc"][0] > 0.1
