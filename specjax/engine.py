@@ -32,7 +32,7 @@ grammar drafts computed on the host while the target forward runs; a grammar tha
 its request). Regex / choice / JSON-schema constraints run on the device instead where they compile
 to a token DFA within the limits (specjax.engine_dfa, specjax.device_dfa): such rows need no host
 work per token and their batches run the multi-step programs. Host time per phase: `Engine.stats()`
-(specjax.host_timing).
+(specjax.host_timing). Choices made at start, prefill and results: engine_setup / _prefill / _results.
 """
 from __future__ import annotations
 
@@ -52,19 +52,19 @@ from specjax.adaptive import AcceptanceGate
 from specjax.background_compile import BackgroundCompiles
 from specjax.compile_watch import CompileWatch, freeze_heap
 from specjax import programs as prog
-from specjax.decode import PrefillRows
 from specjax.engine_dfa import DFASteps
 from specjax.engine_options import BatchOptions, CacheOptions, Draft, StepUpdate, check_speculate_below
 from specjax.engine_grammar import GrammarSteps
+from specjax.engine_prefill import PrefillSteps
+from specjax.engine_results import ResultSteps
+from specjax.engine_setup import SetupChoices
 from specjax.grammar_masks import MaskBuilder
 from specjax.host_timing import HostTimes
-from specjax import kernels as kernels_lib
-from specjax.kernels import KV_COMPACT_CHOICES, Kernels, choose_kv_compact, compact_shapes
 from specjax.kv_cache import init_cache
 from specjax.request import Request
 from specjax import sampling
 from specjax.sampling import SamplingArrays
-from specjax.scheduler import MIN_PREFILL_LEN, Piece, Scheduler, SchedulerOptions, bucket, slot_pages
+from specjax.scheduler import Scheduler, SchedulerOptions, bucket, slot_pages
 from specjax.shape_reuse import ShapeReuse
 
 __all__ = ["BatchOptions", "CacheOptions", "Draft", "Engine", "SchedulerOptions", "StepUpdate"]
@@ -84,18 +84,7 @@ class _Dispatched:
     after_lite: bool = False  # a fused dispatch right after lite ones (its first step verifies a stale tree)
 
 
-def _indexed(rows):
-    """(slot, request) rows -> (batch row, slot, request)."""
-    return [(b, s, r) for b, (s, r) in enumerate(rows)]
-
-
-def _as_rows(kind: str, x) -> np.ndarray:
-    """A step output on the host as [B, K, ...] (prefill: one token per row; decode and spec: [K, B, ...])."""
-    x = np.asarray(x)
-    return x[:, None] if kind == "prefill" else np.swapaxes(x, 0, 1)
-
-
-class Engine(GrammarSteps, DFASteps):
+class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps):
     def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
                  draft: Draft | None = None, mesh=None, sched: SchedulerOptions | None = None, grammar=None,
                  kv_compact_impl: str = "auto", attention: str | attn_lib.AttnImpl = "auto",
@@ -197,68 +186,6 @@ class Engine(GrammarSteps, DFASteps):
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
         freeze_heap()  # the model's objects, alive for the engine's life: out of later collections' way
-
-    def _choose_kernels(self, kv_compact_impl: str, draft_topk: str, num_pages: int, dtype) -> tuple[Kernels, str]:
-        """The kernel implementations of this engine's programs, chosen once, here (specjax.kernels)."""
-        if kv_compact_impl not in KV_COMPACT_CHOICES:
-            raise ValueError(f"kv_compact_impl must be one of {KV_COMPACT_CHOICES}, got {kv_compact_impl!r}")
-        spec = None if self.draft is None else self.draft.spec
-        topk = kernels_lib.choose_draft_topk(draft_topk)
-        topk_note = "" if spec is None else f"; draft top-k: {topk}"
-        if spec is None or spec.is_chain:  # a chain's accepted path is already in place
-            unused = "" if kv_compact_impl == "auto" else f"; {kv_compact_impl!r} was asked for"
-            return Kernels(draft_topk=topk), \
-                f"not used ({'plain decoding' if spec is None else 'chain'}{unused}){topk_note}"
-        rows = bucket(max(self.batch_opts.max_batch, 2), 2, max(2, self.batch_opts.max_batch))  # largest step batch
-        page_shape = (num_pages, self.cache_opts.page_size, 2, self.cfg.num_kv_heads, self.cfg.head_dim)
-        args = compact_shapes(self.cfg.num_layers, page_shape, dtype, rows, self.sched.pages_per_slot,
-                              spec.num_steps + 1)
-        impl, note = choose_kv_compact(kv_compact_impl, args)
-        return Kernels(kv_compact=impl, draft_topk=topk), f"{impl} ({note}){topk_note}"
-
-    def _describe(self, dtype, num_pages: int, kernel_note: str) -> str:
-        """The engine's info line: decoding mode, cache layout, kernels."""
-        c, b = self.cache_opts, self.batch_opts
-        if self.draft is None:
-            mode = f"plain decoding ({b.steps_per_call} steps per dispatch)"
-        else:
-            s = self.draft.spec
-            lite = ("always fused steps" if b.speculate_below is None else
-                    f"lite steps (plain, the draft kept in sync) for batches of >= {b.speculate_below} rows")
-            mode = (f"speculative ({self.draft.info.method}: num_steps={s.num_steps} topk={s.topk} "
-                    f"num_draft_tokens={s.num_draft_tokens}"
-                    + (f" ngram_branch={s.ngram_branch}" if s.ngram_branch else "")
-                    + f", lookahead {self.lookahead}; up to "
-                    f"{b.spec_steps_per_call} steps per dispatch; {lite})")
-        return (f"{mode}; {b.max_batch} slots of {self.sched.capacity} cache entries (max_seq_len {c.max_seq_len}), "
-                f"{num_pages} pages of {c.page_size}, {jnp.dtype(dtype).name}, prefix cache "
-                f"{'on' if c.prefix_cache else 'off'}, prefill chunks of {self.sched.chunk} tokens; "
-                f"kernels: kv_compact={kernel_note}; " + "; ".join(self.attention_choice.values()))
-
-    def _choose_attention(self, attention, model, cfg, draft, page_size, dtype, mesh):
-        """Resolve the attention implementation once (outside traced code) for the target and the
-        draft, and return copies of the models that use it (static: part of the programs' jit key)."""
-        req, knobs = attention, {}
-        if isinstance(attention, attn_lib.AttnImpl):
-            req = attention.name
-            knobs = dict(interpret=attention.interpret, block_q=attention.block_q, block_kv=attention.block_kv,
-                         num_splits=attention.num_splits)
-
-        def pick(c):
-            return attn_lib.resolve(req, dtype=dtype, page_size=page_size, head_dim=c.head_dim, mesh=mesh,
-                                    plain_batch=self.batch_opts.max_batch if draft is None else None, **knobs)
-
-        impl, choice = pick(cfg)
-        self.attention_choice = {"attention": str(choice)}
-        self.attention_name = impl.name  # the target's implementation (specjax.attention)
-        target = attn_lib.configure(model, impl)
-        if draft is None or draft.model is None:  # plain decoding, or the n-gram drafter (no model, no KV)
-            return target, draft
-        if draft.model is model:
-            return target, dataclasses.replace(draft, model=target)
-        d_impl, d_choice = pick(draft.kv_cfg)
-        self.attention_choice["draft attention"] = str(d_choice)
-        return target, dataclasses.replace(draft, model=attn_lib.configure(draft.model, d_impl))
 
     def _commit(self, tree):
         """Device state created on the host side of the programs, committed to the device like the
@@ -477,88 +404,6 @@ class Engine(GrammarSteps, DFASteps):
         return entry
 
     # -- dispatch ---------------------------------------------------------------------------
-    def _prefill(self, pieces: list[Piece]):
-        self._push_page_table()
-        firsts = [pc for pc in pieces if pc.first]
-        if firsts:  # per-slot state first: a DFA that no longer fits the tables moves to the host path here
-            self._admit_slots(firsts)
-            self._admit_dfa([(pc.slot, pc.req) for pc in firsts])
-        samplers = [(b, pc.req) for b, pc in enumerate(pieces) if pc.final]  # rows whose sample is used
-        flags = self._flags([r for _, r in samplers])
-        B, T = self._prefill_shape(pieces, (*flags.values(), any(r.grammar is not None for _, r in samplers)))
-        tokens = np.zeros((B, T), np.int32)
-        start, lens, next_ids = (np.zeros(B, np.int32) for _ in range(3))
-        final = np.zeros(B, bool)
-        slots = np.full(B, self.batch_opts.max_batch, np.int32)  # padding rows: out of range
-        samp = SamplingArrays(np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros(B, np.int32),
-                              np.zeros(B, np.uint32))
-        for b, pc in enumerate(pieces):
-            n = pc.end - pc.start
-            tokens[b, :n], start[b], lens[b], slots[b], final[b] = pc.ids[pc.start:pc.end], pc.start, n, pc.slot, pc.final
-            next_ids[b] = 0 if pc.final else pc.ids[pc.end]
-            p = pc.req.params
-            samp.temperature[b], samp.top_p[b], samp.top_k[b], samp.seed[b] = p.temperature, p.top_p, p.top_k, pc.req.seed
-        mask, drafts = self._prefill_grammar(samplers, B)  # the first token's masks (and grammar drafts)
-        rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
-        t0 = time.perf_counter()
-        what = lambda: f"prefill rows={B} length={T} {flags}"  # noqa: E731 - logged when it compiled
-        if self.draft is None:
-            out, trees, self.state, self.samp = self.compiles.call(
-                what, self.steps.prefill, self.weights, self.state, self.samp, rows, samp, mask, **flags)
-        else:
-            out, trees, self.state, self.samp = self.compiles.call(
-                what, self.spec_steps.prefill, self.weights, self.draft_weights, self.state, self.samp, rows, samp,
-                mask, drafts, **flags)
-        self.host.add("dispatch", t0)
-        finals = [(b, pc.slot, pc.req) for b, pc in enumerate(pieces) if pc.final]
-        if finals:  # a call of unfinished prefills only has nothing to read
-            self._push("prefill", out, trees, finals, 0, 1)
-
-    def _prefill_shape(self, pieces: list[Piece], key: tuple) -> tuple[int, int]:
-        """(rows B, length T) of a prefill of these pieces: the buckets, or a larger shape already
-        dispatched with the same flags, up to 4x their tokens and within the prefill token budget
-        (specjax.shape_reuse). Refilled slots admit a few requests at a time, and prefix-cache hits
-        make the rows of a repeated batch shorter than the first time (e.g. 128 -> 16 tokens, past
-        the 4x): a prompt found whole in the cache counts with its uncached length for the 4x
-        (Scheduler.uncached_len), so it may run on the shape its first prefill compiled instead of
-        compiling its own (only a shape its uncached prefill could have taken); new text
-        after a cached prefix (a shared system prompt) keeps its own short bucket."""
-        B = bucket(len(pieces), 1, self.batch_opts.max_batch)
-        T = self.sched.prefill_len(max(p.end - p.start for p in pieces))
-        uncached = self.sched.prefill_len(max(self.sched.uncached_len(p) for p in pieces))
-        return self.shapes.pick(("prefill", key), (B, T), limit=max(B * T, self.batch_opts.max_prefill_tokens),
-                                need=B * uncached)
-
-    def _admit_slots(self, firsts: list[Piece]):
-        """The per-slot state of newly admitted slots that needs their whole sequence (a piece may
-        hold part of it only): penalty state, n-gram history (programs.admit_slots)."""
-        group = [(pc.slot, pc.req) for pc in firsts]
-        B = bucket(len(group), 1, self.batch_opts.max_batch)
-        pen = self._penalty_params(group, B)
-        if self.state.penalties is None and getattr(self.state, "history", None) is None:
-            return
-        T = bucket(max(len(pc.ids) for pc in firsts), MIN_PREFILL_LEN, max(MIN_PREFILL_LEN, self.cache_opts.max_seq_len))
-        tokens, lens = np.zeros((B, T), np.int32), np.zeros(B, np.int32)
-        slots = np.full(B, self.batch_opts.max_batch, np.int32)
-        for b, pc in enumerate(firsts):
-            tokens[b, :len(pc.ids)], lens[b], slots[b] = pc.ids, len(pc.ids), pc.slot
-        self.state = prog.admit_slots(self.state, tokens, lens, slots, pen)
-
-    def _penalty_params(self, group, B):
-        """Per-row penalty parameters for a prefill; the per-slot penalty state (token counts,
-        prompt sets) is created on the device the first time a request asks for penalties. A
-        preempted request prefills prompt + generated tokens: prompt_len makes the latter count as
-        output again (its penalties continue exactly)."""
-        from specjax import penalties
-        if self.state.penalties is None:
-            if not any(r.params.has_penalties for _, r in group):
-                return None
-            self.state = dataclasses.replace(self.state, penalties=self._commit(penalties.init_penalty_state(
-                self.batch_opts.max_batch, self.cfg.vocab_size)))
-        pad = [None] * (B - len(group))
-        return penalties.penalty_params([r.params for _, r in group] + pad,
-                                        [len(r.prompt_ids) for _, r in group] + [0] * len(pad))
-
     def _dispatch(self, rows, grammar: bool = False) -> _Dispatched:
         """One decode dispatch over rows (plain, fused speculative or lite steps: specjax.dispatch_plan);
         grammar: with the masks (and grammar drafts) of its constrained rows, computed first (the
@@ -590,7 +435,7 @@ class Engine(GrammarSteps, DFASteps):
         out, trees, self.state = self.compiles.call(lambda: f"{p.kind} K={p.num_steps} rows={len(slots)} {flags}",
                                                     fn, *args, **kw)
         self.host.add("dispatch", t0)
-        entry = self._push(p.kind, out, trees, _indexed(rows), p.advance, p.sure)
+        entry = self._push(p.kind, out, trees, [(b, s, r) for b, (s, r) in enumerate(rows)], p.advance, p.sure)
         entry.after_lite = p.kind == "spec" and self._last_kind == "lite"
         self._last_kind = p.kind
         return entry
@@ -648,66 +493,3 @@ class Engine(GrammarSteps, DFASteps):
             ids[b, :len(r.stop_ids)] = sorted(r.stop_ids)
             limit[b] = len(r.prompt_ids) + r.max_len - 1
         return prog.StopRows(ids, limit)
-
-    # -- results ----------------------------------------------------------------------------
-    def _collect(self, keep: _Dispatched | None = None) -> None:
-        """Deliver every dispatched output older than `keep` (all of them when None)."""
-        while self._pending and self._pending[0] is not keep:
-            e = self._pending.popleft()
-            self._accept_all([(e, e.rows, self._read(e))])
-
-    def _read(self, e: _Dispatched) -> tuple:
-        """e's outputs on the host: (tokens, logprob, top logprobs, top ids, accepted counts, trees)."""
-        t0 = time.perf_counter()
-        toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x).tolist()  # nested lists, once
-                                     for x in (e.out.tokens, e.out.logprob, e.out.top_logprobs, e.out.top_ids))
-        counts = _as_rows(e.kind, e.out.num_accepted).tolist() if e.kind in ("spec", "lite") else None  # [B, K]
-        trees = None if e.trees is None else tuple(np.asarray(t) for t in e.trees)
-        self.host.add("read", t0)
-        return toks, lp, top_lp, top_ids, counts, trees
-
-    def _accept_all(self, items) -> None:
-        """Deliver [(dispatched, its rows, its outputs read)] (host phase "accept")."""
-        t0 = time.perf_counter()
-        try:
-            for e, rows, read in items:
-                self._accept(e, rows, *read)
-        finally:
-            self.host.add("accept", t0)
-
-    def _accept(self, e: _Dispatched, rows, toks, lp, top_lp, top_ids, counts, trees) -> None:
-        """Deliver rows [(batch row, slot, request, epoch)] of e's outputs."""
-        for b, slot, req, epoch in rows:
-            if counts is None:
-                ns = [len(toks[b])]
-            else:  # K fused steps: row b emitted toks[b][k][:n_k]; n_k = 0 once it finished on the device
-                ns = [n for n in counts[b] if n > 0]
-            n = sum(ns)
-            if self.sched.slots[slot] is req and req.epoch == epoch:  # host mirror of the device length
-                self.sched.inflight[slot] -= e.advance
-                self.sched.sure[slot] -= e.sure
-                self.sched.lens[slot] += 0 if e.kind == "prefill" else n
-            if req.finished or req.epoch != epoch:
-                continue  # computed after the request finished, was cancelled or preempted: dropped
-            if counts is None:
-                t_b, lp_b, tl_b, ti_b = (None if x is None else x[b][:n] for x in (toks, lp, top_lp, top_ids))
-            else:
-                t_b, lp_b, tl_b, ti_b = (None if x is None else [v for k, nk in enumerate(ns) for v in x[b][k][:nk]]
-                                         for x in (toks, lp, top_lp, top_ids))
-            if e.kind == "spec":
-                self.gate.observe(req, counts[b], e.after_lite)
-            before = len(req.token_ids)
-            req.extend(t_b, lp_b, None if lp is None else [list(zip(i, v)) for i, v in zip(ti_b, tl_b)])
-            if e.kind == "spec":  # the steps up to the one that finished the request (a stop string
-                used = 0  # is found on the host only: the device ran on); lite steps accept no draft
-                for nk in ns:
-                    if used >= len(req.token_ids) - before:
-                        break
-                    req.accept_lens.append(nk)
-                    used += nk
-            self._report(req, req.token_ids[before:])
-            if req.finished:
-                if self.sched.slots[slot] is req:
-                    self.sched.release(slot)
-            elif trees is not None:
-                req.tree = (trees[0][b], trees[1][b])

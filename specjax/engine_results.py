@@ -1,0 +1,82 @@
+"""The engine's results (specjax.engine, step 4): dispatched outputs read on the host one step
+behind, and delivered to their requests; the host mirror of the device lengths follows. A row's
+outputs computed after its request finished, was cancelled or preempted are dropped. Part of
+Engine (a mixin over its fields: sched, host, gate, _pending, _report)."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from specjax.engine import _Dispatched
+
+
+def _as_rows(kind: str, x) -> np.ndarray:
+    """A step output on the host as [B, K, ...] (prefill: one token per row; decode and spec: [K, B, ...])."""
+    x = np.asarray(x)
+    return x[:, None] if kind == "prefill" else np.swapaxes(x, 0, 1)
+
+class ResultSteps:
+    def _collect(self, keep: _Dispatched | None = None) -> None:
+        """Deliver every dispatched output older than `keep` (all of them when None)."""
+        while self._pending and self._pending[0] is not keep:
+            e = self._pending.popleft()
+            self._accept_all([(e, e.rows, self._read(e))])
+
+    def _read(self, e: _Dispatched) -> tuple:
+        """e's outputs on the host: (tokens, logprob, top logprobs, top ids, accepted counts, trees)."""
+        t0 = time.perf_counter()
+        toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x).tolist()  # nested lists, once
+                                     for x in (e.out.tokens, e.out.logprob, e.out.top_logprobs, e.out.top_ids))
+        counts = _as_rows(e.kind, e.out.num_accepted).tolist() if e.kind in ("spec", "lite") else None  # [B, K]
+        trees = None if e.trees is None else tuple(np.asarray(t) for t in e.trees)
+        self.host.add("read", t0)
+        return toks, lp, top_lp, top_ids, counts, trees
+
+    def _accept_all(self, items) -> None:
+        """Deliver [(dispatched, its rows, its outputs read)] (host phase "accept")."""
+        t0 = time.perf_counter()
+        try:
+            for e, rows, read in items:
+                self._accept(e, rows, *read)
+        finally:
+            self.host.add("accept", t0)
+
+    def _accept(self, e: _Dispatched, rows, toks, lp, top_lp, top_ids, counts, trees) -> None:
+        """Deliver rows [(batch row, slot, request, epoch)] of e's outputs."""
+        for b, slot, req, epoch in rows:
+            if counts is None:
+                ns = [len(toks[b])]
+            else:  # K fused steps: row b emitted toks[b][k][:n_k]; n_k = 0 once it finished on the device
+                ns = [n for n in counts[b] if n > 0]
+            n = sum(ns)
+            if self.sched.slots[slot] is req and req.epoch == epoch:  # host mirror of the device length
+                self.sched.inflight[slot] -= e.advance
+                self.sched.sure[slot] -= e.sure
+                self.sched.lens[slot] += 0 if e.kind == "prefill" else n
+            if req.finished or req.epoch != epoch:
+                continue  # computed after the request finished, was cancelled or preempted: dropped
+            if counts is None:
+                t_b, lp_b, tl_b, ti_b = (None if x is None else x[b][:n] for x in (toks, lp, top_lp, top_ids))
+            else:
+                t_b, lp_b, tl_b, ti_b = (None if x is None else [v for k, nk in enumerate(ns) for v in x[b][k][:nk]]
+                                         for x in (toks, lp, top_lp, top_ids))
+            if e.kind == "spec":
+                self.gate.observe(req, counts[b], e.after_lite)
+            before = len(req.token_ids)
+            req.extend(t_b, lp_b, None if lp is None else [list(zip(i, v)) for i, v in zip(ti_b, tl_b)])
+            if e.kind == "spec":  # the steps up to the one that finished the request (a stop string
+                used = 0  # is found on the host only: the device ran on); lite steps accept no draft
+                for nk in ns:
+                    if used >= len(req.token_ids) - before:
+                        break
+                    req.accept_lens.append(nk)
+                    used += nk
+            self._report(req, req.token_ids[before:])
+            if req.finished:
+                if self.sched.slots[slot] is req:
+                    self.sched.release(slot)
+            elif trees is not None:
+                req.tree = (trees[0][b], trees[1][b])
