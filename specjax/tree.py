@@ -331,7 +331,33 @@ def greedy_accept(tree: Tree, target_argmax):
       num_accepted [B] int32 >= 1: accepted path length including the root. The new tokens are
                    tokens[accept_idx[1:num_accepted]] followed by bonus_token.
       bonus_token  [B] int32: target_argmax at the last accepted node.
+
+    Computed for all nodes at once (greedy_accept_walk is the walk itself, the reference): a node is
+    taken if its token is the target's choice after its parent and no lower-index sibling's is; the
+    walk reaches a node iff every node on its root path (the tree's ancestor mask) is taken. A few
+    compares and reductions over [B, N, N] instead of max_depth dependent rounds: ~4 kernels on a GPU
+    instead of ~12 in the fused step.
     """
+    b, n = tree.tokens.shape
+    max_depth = tree.max_depth if tree.max_depth > 0 else n - 1
+    t = target_argmax.astype(jnp.int32)
+    par = tree.parents
+    idx = jnp.arange(n, dtype=jnp.int32)
+    good = (par >= 0) & (tree.tokens == jnp.take_along_axis(t, jnp.maximum(par, 0), axis=1))  # [B, N]
+    sibling_before = (par[:, None, :] == par[:, :, None]) & (idx[None, None, :] < idx[None, :, None])  # [B, N, N]
+    shadowed = jnp.any(good[:, None, :] & sibling_before, axis=2)  # a lower-index sibling matches: the walk takes it
+    taken = (good & ~shadowed) | (idx == 0)[None, :]  # the root counts as taken
+    reached = jnp.all(taken[:, None, :] | ~tree.mask, axis=2)  # [B, N] every node of its root path taken
+    count = jnp.sum(reached, axis=1, dtype=jnp.int32)
+    at = reached[:, None, :] & (tree.depth[:, None, :] == jnp.arange(max_depth + 1, dtype=jnp.int32)[None, :, None])
+    accept_idx = jnp.where(jnp.any(at, axis=2), jnp.sum(jnp.where(at, idx[None, None, :], 0), axis=2), -1)
+    cur = jnp.take_along_axis(accept_idx, (count - 1)[:, None], axis=1)[:, 0]
+    bonus = jnp.take_along_axis(t, cur[:, None], axis=1)[:, 0]
+    return accept_idx.astype(jnp.int32), count, bonus
+
+
+def greedy_accept_walk(tree: Tree, target_argmax):
+    """greedy_accept as the walk it describes, max_depth dependent rounds (the reference)."""
     b, n = tree.tokens.shape
     max_depth = tree.max_depth if tree.max_depth > 0 else n - 1
     target_argmax = target_argmax.astype(jnp.int32)

@@ -17,6 +17,7 @@ from specjax.tree import (
     expand_step,
     frontier,
     greedy_accept,
+    greedy_accept_walk,
     max_candidates,
     merge_branch,
     positions,
@@ -31,6 +32,7 @@ _expand = jax.jit(expand_step, static_argnums=(2, 3))
 _frontier = jax.jit(frontier, static_argnums=(1, 2))
 _chain = jax.jit(chain_tree)
 _accept = jax.jit(greedy_accept)
+_walk = jax.jit(greedy_accept_walk)
 _positions = jax.jit(positions)
 _accepted_tokens = jax.jit(accepted_tokens)
 
@@ -226,6 +228,8 @@ def check_accept(tree, target):
     acc, num, bonus = np.asarray(acc), np.asarray(num), np.asarray(bonus)
     assert acc.shape == (B, tree.max_depth + 1) and acc.dtype == num.dtype == bonus.dtype == np.int32
     tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+    for got, want in zip((acc, num, bonus), _walk(tree, jnp.asarray(target, jnp.int32))):  # the walk itself
+        np.testing.assert_array_equal(got, np.asarray(want))
     for r in range(B):
         path, bon = brute_force_accept(tokens[r], parents[r], target[r])
         assert num[r] == len(path)
