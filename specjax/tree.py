@@ -348,12 +348,14 @@ def greedy_accept(tree: Tree, target_argmax):
     shadowed = jnp.any(good[:, None, :] & sibling_before, axis=2)  # a lower-index sibling matches: the walk takes it
     taken = (good & ~shadowed) | (idx == 0)[None, :]  # the root counts as taken
     reached = jnp.all(taken[:, None, :] | ~tree.mask, axis=2)  # [B, N] every node of its root path taken
-    count = jnp.sum(reached, axis=1, dtype=jnp.int32)
+    # one reached node per depth in a tree built here; indices stay in range for any input (a padding
+    # row's stale tree): the first reached node of each depth, at most max_depth + 1 of them
+    count = jnp.minimum(jnp.sum(reached, axis=1, dtype=jnp.int32), max_depth + 1)
     at = reached[:, None, :] & (tree.depth[:, None, :] == jnp.arange(max_depth + 1, dtype=jnp.int32)[None, :, None])
-    accept_idx = jnp.where(jnp.any(at, axis=2), jnp.sum(jnp.where(at, idx[None, None, :], 0), axis=2), -1)
-    cur = jnp.take_along_axis(accept_idx, (count - 1)[:, None], axis=1)[:, 0]
+    accept_idx = jnp.where(jnp.any(at, axis=2), jnp.argmax(at, axis=2).astype(jnp.int32), -1)
+    cur = jnp.maximum(jnp.take_along_axis(accept_idx, (count - 1)[:, None], axis=1)[:, 0], 0)
     bonus = jnp.take_along_axis(t, cur[:, None], axis=1)[:, 0]
-    return accept_idx.astype(jnp.int32), count, bonus
+    return accept_idx, count, bonus
 
 
 def greedy_accept_walk(tree: Tree, target_argmax):

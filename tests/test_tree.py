@@ -18,6 +18,7 @@ from specjax.tree import (
     frontier,
     greedy_accept,
     greedy_accept_walk,
+    make_tree,
     max_candidates,
     merge_branch,
     positions,
@@ -358,6 +359,17 @@ def test_greedy_accept_all_and_none():
         acc, num, bonus = check_accept(tree, target)
         assert (num == 1).all() and (acc[:, 0] == 0).all() and (acc[:, 1:] == -1).all()
         assert (bonus == V + 3).all()
+
+
+def test_greedy_accept_stale_tree_stays_in_range():
+    """A row whose tree is not one of ours (a padding row's stale state: depths that contradict the
+    parents) still gets node indices in range (they index K/V compaction on the device)."""
+    n = 6
+    tree = make_tree(jnp.zeros((2, n), jnp.int32), jnp.zeros((2, n), jnp.int32).at[:, 0].set(-1),
+                     jnp.zeros((2, n), jnp.int32), 3)  # every node a child of the root, all at "depth 0"
+    acc, num, bonus = _accept(tree, jnp.zeros((2, n), jnp.int32))
+    acc, num = np.asarray(acc), np.asarray(num)
+    assert ((acc >= -1) & (acc < n)).all() and ((num >= 1) & (num <= 4)).all() and (np.asarray(bonus) == 0).all()
 
 
 def test_greedy_accept_chain():
