@@ -16,6 +16,8 @@ from specjax.scheduler import MIN_PREFILL_LEN, Piece, bucket
 
 
 class PrefillSteps:
+    """Engine's prefill dispatch and the per-slot state of admitted requests (module doc)."""
+
     def _prefill(self, pieces: list[Piece]):
         self._push_page_table()
         firsts = [pc for pc in pieces if pc.first]

@@ -18,7 +18,10 @@ def _as_rows(kind: str, x) -> np.ndarray:
     x = np.asarray(x)
     return x[:, None] if kind == "prefill" else np.swapaxes(x, 0, 1)
 
+
 class ResultSteps:
+    """Engine's reading and delivery of dispatched outputs (module doc)."""
+
     def _collect(self, keep: _Dispatched | None = None) -> None:
         """Deliver every dispatched output older than `keep` (all of them when None)."""
         while self._pending and self._pending[0] is not keep:

@@ -15,6 +15,8 @@ from specjax.scheduler import bucket
 
 
 class SetupChoices:
+    """Engine's kernel and attention choices and its info line, made once at its start (module doc)."""
+
     def _choose_kernels(self, kv_compact_impl: str, draft_topk: str, num_pages: int, dtype) -> tuple[Kernels, str]:
         """The kernel implementations of this engine's programs, chosen once, here (specjax.kernels)."""
         if kv_compact_impl not in KV_COMPACT_CHOICES:
