@@ -1,0 +1,122 @@
+"""What a request costs beyond its decode steps at batch 1: `LLM.generate` over the same prompts at
+two output lengths (EOS ignored), plain and speculative, on one machine. With T(L) the wall time of a
+run and S(L) the decode steps it dispatched (fused steps for the speculative engine, past-the-end
+ones included),
+
+    T(L) = n * per_request + S(L) * per_step      (n prompts, queued: one runs at a time)
+
+two lengths give both: per_step is what a longer output costs per step, per_request what admitting,
+prefilling, starting and ending a request costs on top (host round trips, the prefill program, the
+first dispatch's launch while the device waits). The share of per_request in the longer run is
+what a batch-1 evaluation of that many prompts loses to request boundaries.
+
+    python3 scripts/probe_request_overhead.py [--prompts 8] [--lengths 128,256] [--reps 2]
+        [--draft DIR | --no-spec] [--no-plain] [--spec-steps-per-call 4]
+
+Prompts: halves of mt_bench and sum from specjax/assets/prompts (chat template applied). Each length
+runs twice untimed first (compilation, prefix-cache pages), then --reps timed runs; the fastest
+counts. On the CPU the figures mean little (programs run inside their calls): run it on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+ASSETS = os.path.join(REPO, "specjax", "assets")
+
+
+def prompt_ids(llm, n: int) -> list[list[int]]:
+    texts = []
+    for name in ("mt_bench", "sum"):
+        with open(os.path.join(ASSETS, "prompts", f"{name}.jsonl")) as fh:
+            texts += [json.loads(line)["turns"][0][:1500] for line in list(fh)[: (n + 1) // 2]]
+    chat = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts[:n]]
+    return [llm.tokenizer.encode(c, add_special_tokens=False) for c in chat]
+
+
+def timed_run(llm, ids, tokens: int, reps: int) -> dict:
+    """The fastest of reps runs: wall seconds, decode steps and dispatches, host dispatch seconds."""
+    from specjax import SamplingParams
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for _ in range(2):
+        llm.generate(ids, params)
+    best = None
+    for _ in range(reps):
+        s0 = llm.engine.stats()
+        t = time.perf_counter()
+        llm.generate(ids, params)
+        wall = time.perf_counter() - t
+        s1 = llm.engine.stats()
+        kinds = [k[: -len("_dispatch_steps")] for k in s1 if k.endswith("_dispatch_steps")]
+        run = dict(wall=wall, steps=sum(s1[f"{k}_dispatch_steps"] - s0[f"{k}_dispatch_steps"] for k in kinds),
+                   dispatches=sum(s1[f"{k}_dispatches"] - s0[f"{k}_dispatches"] for k in kinds),
+                   host_dispatch=s1["host_dispatch_s"] - s0["host_dispatch_s"])
+        if best is None or run["wall"] < best["wall"]:
+            best = run
+    return best
+
+
+def fit(n: int, short: dict, long: dict) -> tuple[float, float]:
+    """(per_step, per_request) seconds from two runs of n requests (module doc)."""
+    ds = long["steps"] - short["steps"]
+    if ds <= 0:
+        raise SystemExit("the longer run dispatched no more steps than the shorter: choose lengths further apart")
+    per_step = (long["wall"] - short["wall"]) / ds
+    return per_step, (long["wall"] - long["steps"] * per_step) / n
+
+
+def probe(label: str, llm, ids, lengths: tuple[int, int], reps: int) -> dict:
+    runs = {L: timed_run(llm, ids, L, reps) for L in lengths}
+    for L, r in runs.items():
+        print(f"{label} {L} tokens: {r['wall']:.4f} s, {r['steps']} steps in {r['dispatches']} dispatches, "
+              f"{r['wall'] / r['steps'] * 1e6:.1f} us / step, host dispatch {r['host_dispatch'] / r['dispatches'] * 1e3:.3f} "
+              f"ms / call", flush=True)
+    per_step, per_req = fit(len(ids), runs[lengths[0]], runs[lengths[1]])
+    share = len(ids) * per_req / runs[lengths[1]]["wall"]
+    print(f"{label}: per step {per_step * 1e6:.1f} us, per request {per_req * 1e3:.2f} ms "
+          f"({100 * share:.1f} % of the {lengths[1]}-token run)", flush=True)
+    return dict(runs={str(L): r for L, r in runs.items()}, per_step_s=per_step, per_request_s=per_req, share=share)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--lengths", default="128,256", help="two output lengths, shorter first")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--draft", default=os.path.join(ASSETS, "eagle3-smollm2-135m"))
+    ap.add_argument("--no-spec", action="store_true")
+    ap.add_argument("--no-plain", action="store_true")
+    ap.add_argument("--spec-steps-per-call", type=int, default=4)
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args(argv)
+    lengths = tuple(int(x) for x in a.lengths.split(","))
+    if len(lengths) != 2 or not 0 < lengths[0] < lengths[1]:
+        ap.error(f"--lengths wants two increasing lengths, got {a.lengths!r}")
+    if a.prompts < 1:
+        ap.error("--prompts must be >= 1")
+    import jax
+
+    from specjax import LLM
+    print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    out = {}
+    if not a.no_plain:
+        llm = LLM(max_batch=1)
+        out["plain"] = probe("plain", llm, prompt_ids(llm, a.prompts), lengths, a.reps)
+        del llm
+    if not a.no_spec:
+        llm = LLM(draft=a.draft, max_batch=1, speculate_below=None, min_accept=None,
+                  spec_steps_per_call=a.spec_steps_per_call)
+        out["spec"] = probe("spec", llm, prompt_ids(llm, a.prompts), lengths, a.reps)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
