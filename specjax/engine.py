@@ -7,6 +7,8 @@ The host (specjax.scheduler) keeps the queue, the slots, the page allocator and 
 lengths, and reads each step's emitted tokens.
 
 One engine step (`Engine.step`):
+  0. admission ahead: a full batch whose rows are all expected to finish with the dispatches in
+     flight gives their slots to queued requests before reading them (specjax.engine_ahead);
   1. prefill: the next chunk of each unfinished prefill and queued requests admitted into free slots
      (after the pages of their longest cached prefix, which they share), within the token budget
      `max_prefill_tokens`: one bucketed prefill dispatch (specjax.scheduler.plan_prefill);
@@ -52,6 +54,7 @@ from specjax.adaptive import AcceptanceGate
 from specjax.background_compile import BackgroundCompiles
 from specjax.compile_watch import CompileWatch, freeze_heap
 from specjax import programs as prog
+from specjax.engine_ahead import AdmitAhead
 from specjax.engine_dfa import DFASteps
 from specjax.engine_options import BatchOptions, CacheOptions, Draft, StepUpdate, check_speculate_below
 from specjax.engine_grammar import GrammarSteps
@@ -84,7 +87,7 @@ class _Dispatched:
     after_lite: bool = False  # a fused dispatch right after lite ones (its first step verifies a stale tree)
 
 
-class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps):
+class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, AdmitAhead):
     def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
                  draft: Draft | None = None, mesh=None, sched: SchedulerOptions | None = None, grammar=None,
                  kv_compact_impl: str = "auto", attention: str | attn_lib.AttnImpl = "auto",
@@ -182,6 +185,8 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps):
         self.gate = AcceptanceGate()  # lite or fused steps by measured acceptance (BatchOptions.min_accept)
         self._last_kind = None  # the kind of the last decode dispatch
         self.held_back = 0  # steps that read the dispatches in flight instead of dispatching (_hold_back)
+        self._ahead: dict[int, Request] = {}  # released ahead, outputs in flight (specjax.engine_ahead)
+        self.admitted_ahead = self.admit_ahead_misses = 0
         self.dispatched_steps = dict.fromkeys(("decode", "spec", "lite"), 0)  # the steps they ran
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
@@ -238,6 +243,8 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps):
             **{f"{k}_dispatches": v for k, v in self.dispatches.items()},
             **{f"{k}_dispatch_steps": v for k, v in self.dispatched_steps.items()},
             "held_back_steps": self.held_back,  # no dispatch: those in flight were expected to finish every row
+            "admitted_ahead": self.admitted_ahead,  # slots given to queued requests before their rows' last read
+            "admit_ahead_misses": self.admit_ahead_misses,  # of those, rows that had not finished (re-admitted)
             "steps_per_call_cap": self.steps_cap.caps(self.batch_opts)[0 if self.draft is None else 1],
             **self.gate.stats(),  # lite dispatches chosen by the acceptance gate, its probes (specjax.adaptive)
             **self._dfa_counts(),  # constrained requests by path: device DFA / host grammar, DFA fallbacks
@@ -334,6 +341,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps):
         self._take_compiled()
         if self.replica is not None:  # multi-host: the other processes take the same step
             self.replica.send("step")
+        self._release_ahead()  # rows expected to finish in flight: their slots to the queue now
         pieces = self.sched.plan_prefill()
         if pieces:
             self._prefill(pieces)
@@ -359,6 +367,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps):
             else:
                 newest = self._dispatch(rows)
         self._collect(keep=newest if self.opts.async_loop else None)
+        self._requeue_missed()
         out = list(self._updates.values())
         self._updates.clear()
         return out
@@ -448,12 +457,15 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps):
         (the eval measured 4.0 such steps per 256-token request, 4.4 % of its fused steps). If the
         estimate was wrong, the step after the read dispatches again: one host round trip lost.
         Plain decoding needs no estimate (its rows' tokens per step are known: Scheduler.stepping)."""
+        return all(self._expected_done(s, r) for s, r in rows)
+
+    def _expected_done(self, slot: int, req: Request) -> bool:
+        """A speculative row's fused steps in flight are expected to reach its max_tokens (its `sure`
+        steps times its measured tokens per fused step; _hold_back, specjax.engine_ahead)."""
         kinds = {e.kind for e in self._pending}
         if self.draft is None or "spec" not in kinds or "lite" in kinds:  # lite steps give one token each
             return False
-        sure = self.sched.sure
-        return all(r.accept_ema is not None and len(r.token_ids) + sure[s] * r.accept_ema >= r.max_len
-                   for s, r in rows)
+        return req.accept_ema is not None and len(req.token_ids) + self.sched.sure[slot] * req.accept_ema >= req.max_len
 
     def _min_rows(self, kind: str) -> int:
         """The fewest rows a decode dispatch of this kind pads to (BatchOptions.fused_min_rows for fused

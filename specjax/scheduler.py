@@ -45,6 +45,8 @@ MIN_PREFILL_LEN = 16  # prefill lengths are padded to a power of two >= this
 @dataclasses.dataclass(frozen=True)
 class SchedulerOptions:
     async_loop: bool = True  # dispatch step t+1 before reading step t (False: the synchronous reference)
+    admit_ahead: bool = True  # a full batch whose rows are expected to finish with the dispatches in flight
+    #                           gives their slots to queued requests before reading them (specjax.engine_ahead)
     overlap: bool = True  # grammars: compute the masks while the target forward runs (plain and speculative)
     grammar_drafts: bool = True  # grammar + speculation with a draft model / head: draft the grammar's
     #                              continuations into the trees (specjax.grammar_drafts; the n-gram drafter

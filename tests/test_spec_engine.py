@@ -107,8 +107,8 @@ def test_hold_back_near_max_tokens(setup, monkeypatch, hold):
     want = _run(_engine(cfg, target), short, params)
 
     def run(hold_back):
-        if not hold_back:
-            monkeypatch.setattr(Engine, "_hold_back", lambda self, rows: False)
+        if not hold_back:  # no estimate: neither the hold-back nor admission ahead on a guess
+            monkeypatch.setattr(Engine, "_expected_done", lambda self, slot, req: False)
         eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=1),
                      jnp.float32, draft=_draft(target, cfg, 3))
         got = _run(eng, short, params)

@@ -1,0 +1,61 @@
+"""Admission ahead (SchedulerOptions.admit_ahead; specjax.engine, before step 1): when every decoding
+row is expected to finish with the dispatches already in flight and a request waits for a slot, the
+rows' slots are given up before those dispatches are read, so that the next request's prefill and its
+first decode dispatch queue on the device behind them. Without it the device idles at each request
+boundary of a full batch while the host reads the last dispatch, delivers it, admits the next request
+and launches its prefill and its first dispatch (batch 1 on an H200: ~5.5 ms per plain request, 11-14 ms
+per speculative one, docs/benchmarks.md "What a request costs at batch 1").
+
+Expected to finish: certainly (a plain row, or a speculative one whose dispatched steps give it at
+least its remaining tokens: Scheduler.stepping leaves it out), or by the estimate that holds a
+speculative engine back (Engine._expected_done: its measured tokens per fused step). The device runs
+programs in order, so the released rows' dispatches finish before the next request's prefill writes
+the slot or takes their freed pages; their outputs are read and delivered as usual (the request
+objects travel with the dispatch). A row that the estimate got wrong (outputs read, request not
+finished) is put back at the front of the queue and later re-admitted like a preempted request (its
+prompt and tokens prefilled again, the prefix cache serving the prompt's pages): outputs unchanged
+(tested), counted in `admit_ahead_misses` and as a preemption. The step that releases them also reads
+those dispatches (they are older than its own), so between steps no request is outside both the
+queue and the slots (cancel finds it there). Off for grammar rows (their steps need
+the host), the synchronous loop and several processes. Part of Engine (a mixin over its fields)."""
+from __future__ import annotations
+
+
+class AdmitAhead:
+    """Engine's admission ahead (module doc)."""
+
+    def _release_ahead(self) -> None:
+        """Free the slots of rows expected to finish with the dispatches in flight when the queue waits
+        for a slot and no other row decodes."""
+        s = self.sched
+        if (not self.opts.admit_ahead or not self.opts.async_loop or self.replica is not None
+                or self.compiles_from_leader or not s.queue
+                or not self._pending or s.prefilling or any(r is None for r in s.slots)):
+            return
+        rows = s.decoding()
+        if not rows or any(r.grammar is not None or r.dfa is not None for _, r in rows):
+            return
+        stepping = {slot for slot, _ in s.stepping()}
+        if not all(slot not in stepping or self._expected_done(slot, r) for slot, r in rows):
+            return
+        for slot, req in rows[: len(s.queue)]:  # as many as the queue can use
+            s.release(slot)
+            self._ahead[id(req)] = req
+            self.admitted_ahead += 1
+
+    def _requeue_missed(self) -> None:
+        """After a read: a request released ahead whose outputs are all delivered but that did not
+        finish goes back to the front of the queue (re-admitted like a preempted one)."""
+        if not self._ahead:
+            return
+        waiting = {id(r) for e in self._pending for _, _, r, _ in e.rows}
+        for key, req in list(self._ahead.items()):
+            if req.finished:
+                del self._ahead[key]
+            elif key not in waiting:
+                del self._ahead[key]
+                req.epoch += 1
+                req.num_preempted += 1
+                self.sched.num_preempted += 1
+                self.admit_ahead_misses += 1
+                self.sched.queue.appendleft(req)

@@ -1,0 +1,124 @@
+"""Admission ahead (specjax.engine_ahead): with max_batch 1 and a queue, the slot of a request expected
+to finish with the dispatches in flight goes to the next request before they are read. Tokens equal
+plain greedy decoding with it on or off, with right and wrong estimates; nothing leaks; a request
+re-admitted after a wrong estimate can be cancelled alone."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import IdTokenizer, tiny_config, tiny_model
+from specjax.drafter import DraftInfo
+from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
+from specjax.request import Request
+from specjax.sampling_params import SamplingParams
+from specjax.scheduler import SchedulerOptions
+from specjax.tree import SpecConfig
+
+MAX_SEQ = 64
+PARAMS = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_config()
+    target = tiny_model(cfg, seed=0)
+    other_cfg = tiny_config(num_hidden_layers=1)
+    other = tiny_model(other_cfg, seed=5)  # a draft that is often wrong
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(0, 96, size=n)] for n in (5, 19, 2, 11)]
+    return cfg, target, other_cfg, other, prompts
+
+
+def _engine(setup, draft: str | None, ahead: bool = True) -> Engine:
+    cfg, target, other_cfg, other, _ = setup
+    d = None
+    if draft == "self":
+        d = Draft(target, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=3, topk=1))
+    elif draft == "other":
+        d = Draft(other, other_cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=3, topk=2,
+                                                                   num_draft_tokens=6))
+    return Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=1),
+                  jnp.float32, draft=d, sched=SchedulerOptions(admit_ahead=ahead))
+
+
+def _requests(prompts):
+    return [Request(i, None, p, PARAMS, IdTokenizer(), (96,), MAX_SEQ, 0) for i, p in enumerate(prompts)]
+
+
+def _assert_clean(eng):
+    assert all(s is None for s in eng.slots) and not eng.sched.queue and not eng._ahead
+    assert not eng.has_unfinished()
+    assert eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1  # no page leaked
+
+
+def _run(eng, prompts):
+    reqs = _requests(prompts)
+    eng.run(reqs)
+    _assert_clean(eng)
+    return [r.output().token_ids for r in reqs]
+
+
+def _always_done(self, slot, req):
+    """An estimate that says "done" for every measured row with fused steps in flight."""
+    return any(e.kind == "spec" for e in self._pending) and req.accept_ema is not None
+
+
+@pytest.fixture(scope="module")
+def want(setup):
+    eng = _engine(setup, None, ahead=False)
+    return _run(eng, setup[4])
+
+
+@pytest.mark.parametrize("draft", [None, "self", "other"])
+def test_admission_ahead_equals_plain_greedy(setup, want, draft):
+    """Each request boundary of the queued batch-1 run is crossed ahead (the rows finish certainly, or
+    by the estimate), and the tokens are plain greedy decoding's."""
+    eng = _engine(setup, draft)
+    assert _run(eng, setup[4]) == want
+    st = eng.stats()
+    assert st["admitted_ahead"] >= 1, st
+    assert st["admitted_ahead"] <= len(setup[4]) - 1  # the last request has no successor
+    if draft in (None, "self"):  # plain rows finish certainly; the target as draft: 4 tokens per step
+        assert st["admitted_ahead"] == len(setup[4]) - 1 and st["admit_ahead_misses"] == 0, st
+    off = _engine(setup, draft, ahead=False)
+    assert _run(off, setup[4]) == want
+    assert off.stats()["admitted_ahead"] == 0
+
+
+def test_wrong_estimates_readmit_the_request(setup, want, monkeypatch):
+    """An estimate that always says "done" releases rows that still need tokens: they are read,
+    put back at the front of the queue, prefilled again with their tokens, and end as plain decoding
+    would; every miss counts as a preemption."""
+    monkeypatch.setattr(Engine, "_expected_done", _always_done)
+    eng = _engine(setup, "other")
+    assert _run(eng, setup[4]) == want
+    st = eng.stats()
+    assert st["admit_ahead_misses"] >= 1, st
+    assert st["num_preempted"] >= st["admit_ahead_misses"]
+
+
+def test_released_requests_are_read_within_the_step(setup, want, monkeypatch):
+    """The step that gives a slot away also reads the released rows' dispatches: after every step each
+    unfinished request is in the queue or a slot (so cancel reaches it); cancelling the request
+    re-admitted after a miss ends it alone, the others keep plain decoding's tokens."""
+    monkeypatch.setattr(Engine, "_expected_done", _always_done)
+    eng = _engine(setup, "other")
+    reqs = _requests(setup[4])
+    for r in reqs:
+        eng.add_request(r)
+    victim = None
+    while eng.has_unfinished():
+        eng.step()
+        assert not eng._ahead
+        placed = {id(r) for r in eng.sched.queue} | {id(r) for r in eng.slots if r is not None}
+        assert all(id(r) in placed for r in reqs if not r.finished)
+        if victim is None and eng.admit_ahead_misses:
+            victim = eng.sched.queue[0]  # the missed request, back at the front
+            assert eng.cancel(victim.id) and victim.finish_reason == "cancelled"
+    assert victim is not None
+    _assert_clean(eng)
+    for i, r in enumerate(reqs):
+        if r is not victim:
+            assert r.output().token_ids == want[i]
