@@ -185,7 +185,6 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         self.gate = AcceptanceGate()  # lite or fused steps by measured acceptance (BatchOptions.min_accept)
         self._last_kind = None  # the kind of the last decode dispatch
         self.held_back = 0  # steps that read the dispatches in flight instead of dispatching (_hold_back)
-        self._ahead: dict[int, Request] = {}  # released ahead, outputs in flight (specjax.engine_ahead)
         self.admitted_ahead = self.admit_ahead_misses = 0
         self.dispatched_steps = dict.fromkeys(("decode", "spec", "lite"), 0)  # the steps they ran
         self.info = self._describe(dtype, num_pages, kernel_note)
@@ -341,7 +340,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         self._take_compiled()
         if self.replica is not None:  # multi-host: the other processes take the same step
             self.replica.send("step")
-        self._release_ahead()  # rows expected to finish in flight: their slots to the queue now
+        released = self._release_ahead()  # rows expected to finish in flight: their slots to the queue now
         pieces = self.sched.plan_prefill()
         if pieces:
             self._prefill(pieces)
@@ -367,7 +366,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             else:
                 newest = self._dispatch(rows)
         self._collect(keep=newest if self.opts.async_loop else None)
-        self._requeue_missed()
+        self._requeue_missed(released)
         out = list(self._updates.values())
         self._updates.clear()
         return out

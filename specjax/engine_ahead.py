@@ -24,36 +24,32 @@ from __future__ import annotations
 class AdmitAhead:
     """Engine's admission ahead (module doc)."""
 
-    def _release_ahead(self) -> None:
+    def _release_ahead(self) -> list:
         """Free the slots of rows expected to finish with the dispatches in flight when the queue waits
-        for a slot and no other row decodes."""
+        for a slot and no other row decodes. Returns their requests (for _requeue_missed)."""
         s = self.sched
         if (not self.opts.admit_ahead or not self.opts.async_loop or self.replica is not None
                 or self.compiles_from_leader or not s.queue
                 or not self._pending or s.prefilling or any(r is None for r in s.slots)):
-            return
+            return []
         rows = s.decoding()
         if not rows or any(r.grammar is not None or r.dfa is not None for _, r in rows):
-            return
+            return []
         stepping = {slot for slot, _ in s.stepping()}
         if not all(slot not in stepping or self._expected_done(slot, r) for slot, r in rows):
-            return
-        for slot, req in rows[: len(s.queue)]:  # as many as the queue can use
+            return []
+        released = rows[: len(s.queue)]  # as many as the queue can use
+        for slot, _ in released:
             s.release(slot)
-            self._ahead[id(req)] = req
-            self.admitted_ahead += 1
+        self.admitted_ahead += len(released)
+        return [req for _, req in released]
 
-    def _requeue_missed(self) -> None:
-        """After a read: a request released ahead whose outputs are all delivered but that did not
-        finish goes back to the front of the queue (re-admitted like a preempted one)."""
-        if not self._ahead:
-            return
-        waiting = {id(r) for e in self._pending for _, _, r, _ in e.rows}
-        for key, req in list(self._ahead.items()):
-            if req.finished:
-                del self._ahead[key]
-            elif key not in waiting:
-                del self._ahead[key]
+    def _requeue_missed(self, released: list) -> None:
+        """After the step's read (which covers the released rows' dispatches: they are older than the
+        step's own): a released request that did not finish goes back to the front of the queue,
+        re-admitted like a preempted one (its epoch drops any output still on its way)."""
+        for req in reversed(released):
+            if not req.finished:
                 req.epoch += 1
                 req.num_preempted += 1
                 self.sched.num_preempted += 1

@@ -1,6 +1,7 @@
 """Shared test helpers: tiny random models, a stand-in tokenizer, the default model (or a skip)."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -101,3 +102,12 @@ class Recording:
 
     def __getattr__(self, name):  # lower (the worker), _cache_size (Engine.num_compiled)
         return getattr(self.program, name)
+
+
+def load_script(name: str):
+    """scripts/<name>.py imported as a module (the scripts folder is not a package)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

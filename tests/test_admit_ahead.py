@@ -48,7 +48,7 @@ def _requests(prompts):
 
 
 def _assert_clean(eng):
-    assert all(s is None for s in eng.slots) and not eng.sched.queue and not eng._ahead
+    assert all(s is None for s in eng.slots) and not eng.sched.queue
     assert not eng.has_unfinished()
     assert eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1  # no page leaked
 
@@ -111,7 +111,6 @@ def test_released_requests_are_read_within_the_step(setup, want, monkeypatch):
     victim = None
     while eng.has_unfinished():
         eng.step()
-        assert not eng._ahead
         placed = {id(r) for r in eng.sched.queue} | {id(r) for r in eng.slots if r is not None}
         assert all(id(r) in placed for r in reqs if not r.finished)
         if victim is None and eng.admit_ahead_misses:

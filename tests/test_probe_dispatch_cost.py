@@ -1,19 +1,14 @@
 """scripts/probe_dispatch_cost.py runs on the CPU and times every program it names."""
-import importlib.util
 import math
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "probe_dispatch_cost.py"
+from helpers import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("probe_dispatch_cost", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("probe_dispatch_cost")
 
 
 def test_probe_times_each_program_and_the_chains_compute_the_same():

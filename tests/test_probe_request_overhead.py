@@ -1,18 +1,12 @@
 """scripts/probe_request_overhead.py: the two-length fit and its argument checks (the runs themselves
 are GPU measurements)."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "probe_request_overhead.py"
+from helpers import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("probe_request_overhead", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("probe_request_overhead")
 
 
 def test_fit_recovers_per_step_and_per_request_costs():

@@ -3,18 +3,14 @@ docs/benchmarks.md): instruction names and op_name metadata read from XLA's opti
 scopes without jit / loop / layer-number noise."""
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "scripts" / "profile_step.py")
-    mod = importlib.util.module_from_spec(spec)
     before = os.environ.get("XLA_FLAGS")
-    spec.loader.exec_module(mod)
+    mod = load_script("profile_step")
     assert os.environ.get("XLA_FLAGS") == before  # importing it changes nothing for other tests
     return mod
 
