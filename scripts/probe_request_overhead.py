@@ -11,7 +11,11 @@ first dispatch's launch while the device waits). The share of per_request in the
 what a batch-1 evaluation of that many prompts loses to request boundaries.
 
     python3 scripts/probe_request_overhead.py [--prompts 8] [--lengths 128,256] [--reps 2]
-        [--draft DIR | --no-spec] [--no-plain] [--spec-steps-per-call 4]
+        [--draft DIR | --no-spec] [--no-plain] [--spec-steps-per-call 4] [--admit-ahead on|off|both]
+
+--admit-ahead both times each engine with admission ahead (SchedulerOptions.admit_ahead, specjax.engine_ahead)
+and without it, on the same compiled programs (the option is read every step): labels `plain` /
+`plain-noahead`, `spec` / `spec-noahead`.
 
 Prompts: halves of mt_bench and sum from specjax/assets/prompts (chat template applied). Each length
 runs twice untimed first (compilation, prefix-cache pages), then --reps timed runs; the fastest
@@ -20,6 +24,8 @@ counts. On the CPU the figures mean little (programs run inside their calls): ru
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -49,13 +55,16 @@ def timed_run(llm, ids, tokens: int, reps: int) -> dict:
     for _ in range(reps):
         s0 = llm.engine.stats()
         t = time.perf_counter()
-        llm.generate(ids, params)
+        outs = llm.generate(ids, params)
         wall = time.perf_counter() - t
         s1 = llm.engine.stats()
         kinds = [k[: -len("_dispatch_steps")] for k in s1 if k.endswith("_dispatch_steps")]
         run = dict(wall=wall, steps=sum(s1[f"{k}_dispatch_steps"] - s0[f"{k}_dispatch_steps"] for k in kinds),
                    dispatches=sum(s1[f"{k}_dispatches"] - s0[f"{k}_dispatches"] for k in kinds),
-                   host_dispatch=s1["host_dispatch_s"] - s0["host_dispatch_s"])
+                   host_dispatch=s1["host_dispatch_s"] - s0["host_dispatch_s"],
+                   admitted_ahead=s1["admitted_ahead"] - s0["admitted_ahead"],
+                   admit_ahead_misses=s1["admit_ahead_misses"] - s0["admit_ahead_misses"],
+                   tokens_sha=hashlib.sha256(json.dumps([o.token_ids for o in outs]).encode()).hexdigest()[:16])
         if best is None or run["wall"] < best["wall"]:
             best = run
     return best
@@ -75,7 +84,7 @@ def probe(label: str, llm, ids, lengths: tuple[int, int], reps: int) -> dict:
     for L, r in runs.items():
         print(f"{label} {L} tokens: {r['wall']:.4f} s, {r['steps']} steps in {r['dispatches']} dispatches, "
               f"{r['wall'] / r['steps'] * 1e6:.1f} us / step, host dispatch {r['host_dispatch'] / r['dispatches'] * 1e3:.3f} "
-              f"ms / call", flush=True)
+              f"ms / call, admitted ahead {r['admitted_ahead']} (misses {r['admit_ahead_misses']})", flush=True)
     per_step, per_req = fit(len(ids), runs[lengths[0]], runs[lengths[1]])
     share = len(ids) * per_req / runs[lengths[1]]["wall"]
     print(f"{label}: per step {per_step * 1e6:.1f} us, per request {per_req * 1e3:.2f} ms "
@@ -92,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-spec", action="store_true")
     ap.add_argument("--no-plain", action="store_true")
     ap.add_argument("--spec-steps-per-call", type=int, default=4)
+    ap.add_argument("--admit-ahead", choices=("on", "off", "both"), default="on",
+                    help="admission ahead on, off, or both in turn on the same engine")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     lengths = tuple(int(x) for x in a.lengths.split(","))
@@ -104,14 +115,19 @@ def main(argv=None) -> int:
     from specjax import LLM
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
     out = {}
+    settings = {"on": (True,), "off": (False,), "both": (True, False)}[a.admit_ahead]
+
+    def probe_settings(label, llm):
+        ids = prompt_ids(llm, a.prompts)
+        for ahead in settings:
+            llm.engine.opts = dataclasses.replace(llm.engine.opts, admit_ahead=ahead)
+            name = label if ahead else f"{label}-noahead"
+            out[name] = probe(name, llm, ids, lengths, a.reps)
     if not a.no_plain:
-        llm = LLM(max_batch=1)
-        out["plain"] = probe("plain", llm, prompt_ids(llm, a.prompts), lengths, a.reps)
-        del llm
+        probe_settings("plain", LLM(max_batch=1))
     if not a.no_spec:
-        llm = LLM(draft=a.draft, max_batch=1, speculate_below=None, min_accept=None,
-                  spec_steps_per_call=a.spec_steps_per_call)
-        out["spec"] = probe("spec", llm, prompt_ids(llm, a.prompts), lengths, a.reps)
+        probe_settings("spec", LLM(draft=a.draft, max_batch=1, speculate_below=None, min_accept=None,
+                                   spec_steps_per_call=a.spec_steps_per_call))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)

@@ -28,3 +28,5 @@ def test_fit_and_arguments_refuse_what_cannot_be_fitted():
         mod.main(["--lengths", "128"])
     with pytest.raises(SystemExit):
         mod.main(["--prompts", "0"])
+    with pytest.raises(SystemExit):
+        mod.main(["--admit-ahead", "sometimes"])
