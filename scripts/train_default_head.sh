@@ -18,7 +18,8 @@
 #               prompts with random JSON schemas, answered under their schema in stage 1
 #               (specjax.train.schemas)
 #   1. data     the target's responses (specjax's engine, MAX_BATCH rows, temperatures 0/0.7/0/1.0
-#               in turn, up to MAX_TOKENS) to GSM8K train + those prompts, as token ids only; each
+#               in turn, up to MAX_TOKENS; IGNORE_EOS_SHARE of the prompts past the end of the turn, to
+#               MAX_TOKENS) to GSM8K train + those prompts, as token ids only; each
 #               process stops starting new chunks after DATA_BUDGET seconds
 #   2. train    EAGLE-3 training-time test over TTT steps, the target's features computed inside the
 #               training step, 1 % of the packed rows held out (acc@1..TTT in the log, curves.png);
@@ -37,6 +38,7 @@ OUT=${OUT:-checkpoints/eagle3-smollm2-135m}
 GSM8K=${GSM8K:-data/train/gsm8k_train.jsonl}
 SELF_INSTRUCT=${SELF_INSTRUCT:-30000}
 PASSAGES=${PASSAGES:-30000}
+IGNORE_EOS_SHARE=${IGNORE_EOS_SHARE:-0}  # share of the prompts answered past the end of the turn (EOS ignored, to MAX_TOKENS)
 SCHEMAS=${SCHEMAS:-0}  # prompts with random JSON schemas, answered under the schema (specjax.train.schemas); off by
 # default: each schema's token DFA costs 0.1-1.4 s of host time when its request is admitted (SmolLM2 vocabulary),
 # ~460 schemas per 8 192-prompt chunk kept the GPU idle for minutes (H200, 2026-11-26)
@@ -88,7 +90,7 @@ echo "== prompts stage: $((SECONDS - T0)) s"
 T1=$SECONDS
 echo "== data: $GSM8K + $RUN/prompts.jsonl -> $RUN/data (token ids; budget ${DATA_BUDGET}s)"
 "$PY" scripts/train_eagle.py data --prompts "$GSM8K" "$RUN/prompts.jsonl" --out "$RUN/data" --model "$MODEL" \
-  --no-features --temperatures 0,0.7,0,1.0 --max-tokens "$MAX_TOKENS" --max-seq-len 1024 \
+  --no-features --temperatures 0,0.7,0,1.0 --max-tokens "$MAX_TOKENS" --ignore-eos-share "$IGNORE_EOS_SHARE" --max-seq-len 1024 \
   --max-batch "$MAX_BATCH" --chunk-prompts "$CHUNK" --data-time-budget "$DATA_BUDGET" --data-seed "$SEED" --workers "$GPUS"
 echo "== data stage: $((SECONDS - T1)) s"
 

@@ -42,6 +42,9 @@ def add_data_args(p):
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="target dtype")
     p.add_argument("--temperatures", type=_floats, default=(0.0, 0.7, 1.0), help="e.g. 0,0.7,1.0 (one per prompt)")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--ignore-eos-share", type=float, default=0.0, metavar="F",
+                   help="share of the prompts whose responses run to --max-tokens past the end of the turn "
+                        "(EOS ignored; drawn per prompt from --data-seed)")
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--max-batch", type=int, default=128, help="generation batch (engine slots)")
@@ -142,6 +145,7 @@ def run_data(a, command: str) -> dict:
     from specjax.train.data import DataConfig, build_data
     cfg = DataConfig(prompt_files=a.prompts, out_dir=a.out, model_dir=a.model, dtype=a.dtype,
                      temperatures=a.temperatures, max_tokens=a.max_tokens, max_prompts=a.max_prompts,
+                     ignore_eos_share=a.ignore_eos_share,
                      max_seq_len=a.max_seq_len, max_batch=a.max_batch, chunk_prompts=a.chunk_prompts,
                      tokens_per_batch=a.tokens_per_batch, aux_layers=a.aux_layers, chat=not a.raw,
                      seed=a.data_seed, time_budget=a.data_time_budget, features=not a.no_features,

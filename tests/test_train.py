@@ -570,3 +570,46 @@ def test_schema_rows_are_generated_under_their_schema(tmp_path):
             state = td.step(state, t)  # raises on a token the schema forbids
         checked += 1
     assert checked == 2
+
+
+def test_ignore_eos_share_is_drawn_per_prompt(tmp_path):
+    """DataConfig.ignore_eos_share: that share of the prompts (drawn per prompt index from the data
+    seed: the same in a resumed or parallel run) is generated with EOS ignored, never a schema row;
+    the shard info counts them; a share outside [0, 1] is refused."""
+    import types
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return [1 + len(text) % 7, 2, 3]
+
+    class FakeLLM:
+        tokenizer = Tok()
+
+        def __init__(self):
+            self.params = []
+
+        def apply_chat_template(self, msgs):
+            return msgs[0]["content"]
+
+        def generate(self, ids, params):
+            self.params += params
+            return [types.SimpleNamespace(finish_reason="length", token_ids=[5, 6], error=None) for _ in ids]
+
+    items = [(f"prompt {i}", None) for i in range(400)] + [("a schema row", {"type": "object"})]
+
+    def flags(share, seed=3):
+        cfg = data_lib.DataConfig(["unused"], str(tmp_path / "out"), max_tokens=2, max_seq_len=64,
+                                  ignore_eos_share=share, seed=seed)
+        llm = FakeLLM()
+        _, info = data_lib._make_chunk(cfg, llm, None, items, first_index=100)
+        got = [p.ignore_eos for p in llm.params]
+        assert info["ignore_eos_seqs"] == sum(got) and not got[-1]  # the schema row keeps its EOS
+        assert got[:-1] == [data_lib.ignores_eos(cfg, 100 + i) for i in range(400)]
+        return got[:-1]
+
+    quarter = flags(0.25)
+    assert 0.18 < np.mean(quarter) < 0.32 and flags(0.25) == quarter  # drawn, and the same again
+    assert flags(0.25, seed=4) != quarter
+    assert not any(flags(0.0)) and all(flags(1.0))
+    with pytest.raises(data_lib.DataError, match="ignore_eos_share must be in"):
+        data_lib.build_data(data_lib.DataConfig(["unused"], str(tmp_path / "bad"), ignore_eos_share=1.5))

@@ -2,7 +2,11 @@
 
     prompts (jsonl: "turns"[0] | "prompt" | "question" | "instruction"; a row's "json_schema":
              its response generated under that schema, specjax.train.schemas)
-      -> the target's chat template -> LLM.generate at several temperatures (one per prompt, in turn)
+      -> the target's chat template -> LLM.generate at several temperatures (one per prompt, in turn);
+       a share of the prompts (ignore_eos_share, drawn per prompt from the seed) runs to max_tokens
+       past the end of the turn: what the target writes after it (usually a new turn) is what a
+       speculative decoder drafts for when EOS is ignored (equal-work benchmarks such as
+       `specjax eval`, whose acceptance after the end of a response was the lowest)
       -> one target prefill over prompt + response (specjax.train.features), or with
          features=False nothing more: the training step computes the features on the fly
          (specjax.train.target; large runs: 30 M tokens of stored features would be ~100 GB)
@@ -104,6 +108,7 @@ class DataConfig:
     dtype: str = "bfloat16"
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
     max_tokens: int = 256
+    ignore_eos_share: float = 0.0  # prompts whose responses run to max_tokens past EOS (module doc)
     max_prompts: int | None = None
     max_seq_len: int = 1024
     max_batch: int = 64
@@ -201,6 +206,8 @@ def build_data(cfg: DataConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if not 0 <= cfg.worker < cfg.workers:
         raise DataError(f"worker {cfg.worker} of {cfg.workers}: out of range")
+    if not 0.0 <= cfg.ignore_eos_share <= 1.0:
+        raise DataError(f"ignore_eos_share must be in [0, 1], got {cfg.ignore_eos_share}")
     if cfg.workers == 1:
         merge_manifests(out)  # the parts of an interrupted parallel run first
     man_name = part_manifest(cfg.worker, cfg.workers)
@@ -220,6 +227,8 @@ def build_data(cfg: DataConfig) -> dict:
                 "temperatures": list(cfg.temperatures), "max_tokens": cfg.max_tokens, "seed": cfg.seed,
                 "chunk_prompts": cfg.chunk_prompts, "chat": cfg.chat, "features": cfg.features,
                 "prompt_files": [str(f) for f in cfg.prompt_files]}
+    if cfg.ignore_eos_share:  # recorded when used (directories made before it have no such key)
+        settings["ignore_eos_share"] = cfg.ignore_eos_share
     for n, m in found.items():
         if any(m.get(k) != v for k, v in settings.items() if k != "model_dir"):
             raise DataError(f"{out / n} was made with other settings; use another --out directory")
@@ -277,6 +286,12 @@ def build_data(cfg: DataConfig) -> dict:
     return man
 
 
+def ignores_eos(cfg: DataConfig, index: int) -> bool:
+    """Whether prompt `index` (of the whole prompt list) is generated past EOS: a draw per prompt from
+    the data seed, so a resumed or parallel run makes the same choice."""
+    return cfg.ignore_eos_share > 0 and random.Random(f"ignore-eos {cfg.seed} {index}").random() < cfg.ignore_eos_share
+
+
 def _make_chunk(cfg: DataConfig, llm, extractor, items: list[tuple[str, dict | None]], first_index: int):
     from specjax import SamplingParams
 
@@ -291,8 +306,10 @@ def _make_chunk(cfg: DataConfig, llm, extractor, items: list[tuple[str, dict | N
         g = first_index + i
         params.append(SamplingParams(max_tokens=cfg.max_tokens,
                                      temperature=float(cfg.temperatures[g % len(cfg.temperatures)]),
-                                     seed=cfg.seed * 1_000_003 + g, json_schema=schema))
+                                     seed=cfg.seed * 1_000_003 + g, json_schema=schema,
+                                     ignore_eos=schema is None and ignores_eos(cfg, g)))
     outs = llm.generate(ids, params) if ids else []
+    past_eos = sum(p.ignore_eos for p, o in zip(params, outs) if o.finish_reason != "error")
     kept = [(p, o) for p, o in zip(ids, outs) if o.finish_reason != "error"]  # a schema it cannot serve
     failed = len(outs) - len(kept)
     if failed:
@@ -307,7 +324,8 @@ def _make_chunk(cfg: DataConfig, llm, extractor, items: list[tuple[str, dict | N
     shard = Shard.build(seqs, [len(p) for p in ids], feats)
     return shard, {"gen_s": round(gen_s, 2), "feat_s": round(feat_s, 2),
                    "gen_tokens": int(sum(len(o.token_ids) for o in outs)),
-                   "schema_seqs": sum(schema is not None for _, schema in items), "failed": failed}
+                   "schema_seqs": sum(schema is not None for _, schema in items), "failed": failed,
+                   "ignore_eos_seqs": past_eos}
 
 
 def load_shards(data_dir: str | Path) -> tuple[dict, list[Shard]]:
