@@ -113,6 +113,9 @@ def stalls(cat: dict) -> str:
     return f" (new programs while timed: plain {n[0]}, spec {n[1]})" if any(n) else ""
 
 
+BOUNDARY_STATS = ("admitted_ahead", "admit_ahead_misses", "held_back_steps")  # Engine.stats() keys
+
+
 def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: int | None = None,
              topk: int | None = None,
              num_draft_tokens: int | None = None, ngram_max: int = 4, ngram_min: int = 1, ngram_branch: int = 0,
@@ -195,6 +198,10 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
                    "identical": sum(res_p[i][0].token_ids == res_s[i][0].token_ids for i in ok),
                    "fused_steps": steps["spec"], "lite_steps": steps["lite"],
                    "gate_probes": st1["gate_probes"] - st0["gate_probes"],
+                   # request boundaries of the speculative run (specjax.engine_ahead, Engine._hold_back):
+                   # slots given to the next request ahead, of those rows not finished (re-admitted), and
+                   # steps that dispatched nothing because the steps in flight were expected to finish
+                   **{k: st1[k] - st0[k] for k in BOUNDARY_STATS},
                    # executables added during the timed runs (compiled, or loaded from the persistent
                    # cache): each one stalls its run; 0 when the warm-up covered every program
                    "new_programs_plain": pc1 - pc0,
@@ -208,7 +215,8 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     tot = {k: sum(v[k] for v in cats.values()) for k in ("prompts", "tokens_plain", "tokens_spec", "seconds_plain",
                                                        "seconds_spec", "spec_steps", "steps_to_eos", "identical",
                                                        "fused_steps", "lite_steps", "gate_probes",
-                                                       "new_programs_plain", "new_programs_spec")}
+                                                       "new_programs_plain", "new_programs_spec",
+                                                       *BOUNDARY_STATS)}
     if vocab is not None:
         tot["in_draft_vocab"] = sum(v["in_draft_vocab"] for v in cats.values())
 

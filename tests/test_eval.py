@@ -170,6 +170,9 @@ def test_eval_shipped_head_small_run(tmp_path):
     # the warm-up compiled every program the timed runs use (a program added while timed stalls them)
     assert (g["new_programs_plain"], g["new_programs_spec"]) == (0, 0)
     assert s["overall"]["new_programs_spec"] == 0
+    # the request boundaries of the speculative run are counted (one category: the overall sums equal it)
+    assert 0 <= g["admit_ahead_misses"] <= g["admitted_ahead"] <= 1 and g["held_back_steps"] >= 0
+    assert all(s["overall"][k] == g[k] for k in spec_eval.BOUNDARY_STATS)
     assert "| gsm8k |" in (tmp_path / "eval.md").read_text() and (tmp_path / "eval.png").stat().st_size > 1000
 
 
