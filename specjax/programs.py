@@ -11,8 +11,11 @@ The speculative step exists fused (`step`: verify + accept + compact + draft, on
 of them per dispatch in one device loop, each row's stop ids and length limit (`StopRows`) checked on
 the device after every step so that a finished row stops changing state, the loop ending once every
 row has finished; with the static flag `lite`, K lite steps instead: step.spec_lite_step, a plain step
-that keeps the draft in sync, same call shape and output layout) and split (`verify` | `finish`) so
-that a grammar batch can compute its tree masks on the host while the target forward runs. `verify`
+that keeps the draft in sync, same call shape and output layout; K > 1 of them run the target's side
+only, step.spec_lite_target, and extend the draft over their K tokens once at the end,
+step.lite_draft_sync: one draft forward per dispatch instead of one per step) and split
+(`verify` | `finish`) so that a grammar batch can compute its tree masks on the host while the target
+forward runs. `verify`
 donates the state and hands it back with the tree's K/V written (no copy of the cache); `finish`
 takes it with the logits and the masks. Plain decoding likewise:
 `decode_many` (num_steps steps in one program) and, for grammar batches, `forward` | `sample` (the
@@ -230,6 +233,19 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         if num_steps == 1:
             out, state, _ = one(state, live(state, active))
             return jax.tree.map(lambda x: x[None], out), _trees(state, slots), state
+
+        if lite:  # K lite steps of the target, then the draft extend over their K tokens at once
+            def lite_body(carry, _):
+                state, act = carry
+                act = live(state, act)
+                out, state, root = bound(step_lib.spec_lite_target, tw, dw, state, slots, act, samp,
+                                         want_logprobs=want_logprobs, stochastic=stochastic, kernels=kernels,
+                                         dfa=dfa)
+                return (state, act & ~_finished(out, state.cache.seq_lens[rs], stop)), (out, root)
+
+            (state, _), steps = jax.lax.scan(lite_body, (state, active), None, length=num_steps)
+            state = bound(step_lib.lite_draft_sync, tw, dw, state, slots, active, steps)
+            return steps[0], _trees(state, slots), state
 
         def body(carry, _):
             state, act = carry

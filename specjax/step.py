@@ -407,15 +407,12 @@ def accept(spec: SpecConfig | TreeShape, state: SpecState, ver: Verified, slots,
     return Accepted(out=out, accept_idx=acc, bonus=bonus, cache=cache, dfa_state=dfa_state)
 
 
-def _commit(info: DraftInfo, target, draft, state: SpecState, ver: Verified, acc: Accepted, slots, active):
-    """What a step commits for its n emitted tokens, the next tree aside (draft_next and the lite step):
-    lengths L + n (target) and Ld + n (draft), penalty counts, the draft extend over the accepted
-    entries (EAGLE: with the target's features at the accepted nodes), or for the n-gram drafter the
-    tokens appended to the history. Returns (state, h_last [B, E], logits_last [B, Vd]) (None, None
-    for the n-gram drafter): the draft's output after the last accepted entry."""
+def _commit_target(state: SpecState, acc: Accepted, slots, active) -> SpecState:
+    """The target's side of _commit: lengths L + n, penalty counts, DFA states and the n-gram history
+    of the n emitted tokens (the draft's lengths and KV untouched)."""
     rs, active = _rows(state, slots, active)
     max_slots = state.cache.seq_lens.shape[0]
-    L, Ld = state.cache.seq_lens[rs], state.draft_seq_lens[rs]
+    L = state.cache.seq_lens[rs]
     n = acc.out.num_accepted  # [B]; 0 for inactive rows
     upd = jnp.where(active, slots, max_slots)  # inactive rows: out of range -> dropped
     pen = state.penalties
@@ -428,17 +425,44 @@ def _commit(info: DraftInfo, target, draft, state: SpecState, ver: Verified, acc
     state = dataclasses.replace(state, cache=cache, penalties=pen, dfa=tables)
     if state.history is not None:  # the n-gram drafter, or a model draft's n-gram branch
         state = dataclasses.replace(state, history=ngram.append(state.history, upd, L, acc.out.tokens, n))
-    if not info.has_model:
-        return state, None, None
-    feats = None
-    if info.uses_features:
-        idx = jnp.maximum(acc.accept_idx, 0)[:, :, None]  # [B, S + 1, 1]
-        take = functools.partial(jnp.take_along_axis, indices=idx, axis=1)
-        feats = drafter.target_features(info, draft, take(ver.h), tuple(take(a) for a in ver.aux))
-    h_last, lg_last, dkv = draft_tree.extend(info, draft, target, state.draft_kv, cache.page_table[rs],
-                                             cache.page_size, jnp.maximum(acc.out.tokens, 0), feats, Ld, n)
+    return state
+
+
+def _accepted_outputs(info: DraftInfo, ver: Verified, acc: Accepted):
+    """The target's outputs at the accepted nodes that the draft extend consumes: (h, aux), each
+    [B, S + 1, E] (None where the draft takes no features)."""
+    if not info.uses_features:
+        return None, None
+    idx = jnp.maximum(acc.accept_idx, 0)[:, :, None]  # [B, S + 1, 1]
+    take = functools.partial(jnp.take_along_axis, indices=idx, axis=1)
+    return take(ver.h), tuple(take(a) for a in ver.aux)
+
+
+def _extend_draft(info: DraftInfo, target, draft, state: SpecState, slots, active, tokens, h, aux, n):
+    """The draft's side of _commit: the draft extend over the n [B] entries tokens [B, T] (with the
+    target's outputs h / aux [B, T, E] there) from each row's draft length Ld, and Ld + n.
+    Returns (state, h_last [B, E], logits_last [B, Vd])."""
+    rs, active = _rows(state, slots, active)
+    Ld = state.draft_seq_lens[rs]
+    feats = None if h is None else drafter.target_features(info, draft, h, aux)
+    h_last, lg_last, dkv = draft_tree.extend(info, draft, target, state.draft_kv, state.cache.page_table[rs],
+                                             state.cache.page_size, jnp.maximum(tokens, 0), feats, Ld, n)
+    upd = jnp.where(active, slots, state.cache.seq_lens.shape[0])
     draft_seq_lens = state.draft_seq_lens.at[upd].set(Ld + n, mode="drop")
     return dataclasses.replace(state, draft_kv=dkv, draft_seq_lens=draft_seq_lens), h_last, lg_last
+
+
+def _commit(info: DraftInfo, target, draft, state: SpecState, ver: Verified, acc: Accepted, slots, active):
+    """What a step commits for its n emitted tokens, the next tree aside (draft_next and the lite step):
+    lengths L + n (target) and Ld + n (draft), penalty counts, the draft extend over the accepted
+    entries (EAGLE: with the target's features at the accepted nodes), or for the n-gram drafter the
+    tokens appended to the history. Returns (state, h_last [B, E], logits_last [B, Vd]) (None, None
+    for the n-gram drafter): the draft's output after the last accepted entry."""
+    state = _commit_target(state, acc, slots, active)
+    if not info.has_model:
+        return state, None, None
+    h, aux = _accepted_outputs(info, ver, acc)
+    return _extend_draft(info, target, draft, state, slots, active, acc.out.tokens, h, aux, acc.out.num_accepted)
 
 
 def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecState, ver: Verified, acc: Accepted,
@@ -510,18 +534,47 @@ def spec_lite_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: S
     extend over that token (draft_next with n = 1), no new tree: the stored tree keeps its nodes
     1 .. N - 1 (and their draft_probs), its root becomes the emitted token.
     The caller must have pages for lite_lookahead(info) entries past L of every active slot."""
-    target, draft = _merge(tgd, tp, dgd, dp)
+    out, new, root = spec_lite_target(info, spec, tgd, tp, dgd, dp, state, slots, active, samp, want_logprobs,
+                                      stochastic, kernels, dfa)
+    return out, lite_draft_sync(info, spec, tgd, tp, dgd, dp, new, slots, active,
+                                jax.tree.map(lambda x: x[None], (out, root)))
+
+
+def spec_lite_target(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
+                     samp: SamplingArrays, want_logprobs=False, stochastic=True, kernels: Kernels = Kernels(),
+                     dfa: bool = False):
+    """spec_lite_step without its draft extend -> (SpecOut, state, root): root = the target's outputs
+    at the root that the extend consumes ((h, aux) [B, 1, E] each, or (None, None)). K of these, then
+    one lite_draft_sync over their K tokens, leave the state K lite steps leave (the draft is not
+    read in between: a lite step verifies the root alone), with one draft forward instead of K."""
+    target, _ = _merge(tgd, tp, dgd, dp)
     view = root_view(state)
     with jax.named_scope("verify"):
         ver = verify_forward(info, ROOT_ONLY, target, view, slots, active)
     with jax.named_scope("accept"):
         acc = accept(ROOT_ONLY, view, ver, slots, active, samp, want_logprobs, stochastic, kernels=kernels, dfa=dfa)
-    with jax.named_scope("draft_extend"):
-        new, _, _ = _commit(info, target, draft, state, ver, acc, slots, active)
+    new = _commit_target(state, acc, slots, active)
     _, active = _rows(state, slots, active)
     upd = jnp.where(active, slots, state.cache.seq_lens.shape[0])
     new = dataclasses.replace(new, tree_tokens=new.tree_tokens.at[upd, 0].set(acc.bonus, mode="drop"))
-    return _widen(acc.out, spec.num_steps + 1), new
+    return _widen(acc.out, spec.num_steps + 1), new, _accepted_outputs(info, ver, acc)
+
+
+def lite_draft_sync(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
+                    steps) -> SpecState:
+    """The draft extend of K lite steps at once: steps = (SpecOut, root) of spec_lite_target stacked
+    over K ([K, B, ...]); a row's emitted tokens are those of its first n steps (n = its summed
+    num_accepted: a row that finished stays inactive), written from its draft length on."""
+    if not info.has_model:  # the n-gram drafter: the history was appended by each step
+        return state
+    target, draft = _merge(tgd, tp, dgd, dp)
+    out, (h, aux) = steps
+    rows = lambda x: None if x is None else jnp.swapaxes(x[:, :, 0], 0, 1)  # [K, B, 1, ...] -> [B, K, ...]  # noqa: E731
+    with jax.named_scope("draft_extend"):
+        new, _, _ = _extend_draft(info, target, draft, state, slots, active, jnp.swapaxes(out.tokens[:, :, 0], 0, 1),
+                                  rows(h), None if aux is None else tuple(rows(a) for a in aux),
+                                  out.num_accepted.sum(0))
+    return new
 
 
 class SpecSteps(NamedTuple):

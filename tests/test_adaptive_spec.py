@@ -357,3 +357,63 @@ def test_lite_then_fused_sampling_law(small):
     assert (n >= 2).mean() > 0.05  # stale drafts do get accepted: their proposals matter
     pval, _, _ = _chi2_pvalue(_counts(corrupted), law)
     assert pval < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["eagle3 tree", "self chain"])
+def test_lite_dispatch_extends_the_draft_once(world, kind):
+    """K lite steps in one dispatch (the target's side K times, then one draft extend over the K
+    tokens: step.lite_draft_sync) leave the state that K one-step lite dispatches leave: the same
+    tokens, lengths, trees and draft lengths, the draft's KV equal up to float32 rounding; a row that
+    finishes inside the dispatch (its length limit after 2 steps) is extended over its 2 tokens only,
+    and a padding row changes nothing."""
+    cfg, target, prompts = world
+    d = _draft(cfg, target, kind)
+    progs, tw, dw = prog.spec_programs(d.info, d.spec, *nnx.split(target), *nnx.split(d.model))
+    slots_n, pps = 2, 8
+
+    def fresh():
+        cache = init_cache(cfg, num_pages=1 + slots_n * pps, page_size=4, max_slots=slots_n, max_seq_len=4 * pps,
+                           dtype=jnp.float32)
+        cache.page_table = jnp.asarray(1 + np.arange(slots_n * pps, dtype=np.int32).reshape(slots_n, pps))
+        dkv = init_cache(d.kv_cfg, num_pages=1 + slots_n * pps, page_size=4, max_slots=slots_n,
+                         max_seq_len=4 * pps, dtype=jnp.float32).kv
+        state = init_spec_state(cache, dkv, d.spec, cfg.vocab_size)
+        P = [prompts[1][:11], prompts[2][:11]]
+        rows = whole_prompts(jnp.asarray(np.array(P, np.int32)), jnp.array([11, 11], jnp.int32),
+                             jnp.arange(2, dtype=jnp.int32))
+        samp = SamplingArrays(jnp.zeros(2, jnp.float32), jnp.ones(2, jnp.float32), jnp.zeros(2, jnp.int32),
+                              jnp.zeros(2, jnp.uint32))
+        _, _, state, samp_all = progs.prefill(tw, dw, state, prog.init_samp(slots_n), rows, samp, None,
+                                              want_logprobs=False, stochastic=False)
+        return state, samp_all
+
+    slots = jnp.array([0, 1, slots_n], jnp.int32)  # a padding row (out of range)
+    active = jnp.array([True, True, False])
+    stop = prog.StopRows(jnp.full((3, 1), -1, jnp.int32), jnp.array([10 ** 6, 11 + 2, 10 ** 6], jnp.int32))
+
+    def run(K, calls):
+        state, samp_all = fresh()
+        toks = []
+        for _ in range(calls):
+            o, _, state = progs.step(tw, dw, state, samp_all, slots, active, None, stop, num_steps=K, lite=True,
+                                     want_logprobs=False, stochastic=False)
+            toks.append(np.asarray(o.tokens)[:, :, 0])  # [K, 3]
+        return np.concatenate(toks), state
+
+    t_once, once = run(3, 1)
+    t_each, each = run(1, 3)
+    np.testing.assert_array_equal(t_once, t_each)
+    assert (t_once[:, 2] == -1).all() and (t_once[2:, 1] == -1).all() and (t_once[:, 0] >= 0).all()
+    for name in ("draft_seq_lens", "tree_tokens", "tree_parents"):
+        np.testing.assert_array_equal(np.asarray(getattr(once, name)), np.asarray(getattr(each, name)), name)
+    np.testing.assert_array_equal(np.asarray(once.cache.seq_lens), np.asarray(each.cache.seq_lens))
+    assert np.asarray(once.cache.seq_lens).tolist() == [14, 13]
+    pt = np.asarray(once.cache.page_table)
+
+    def entries(kv, lens):  # each slot's entries below its length, through its page table
+        return [np.asarray(layer)[pt[s, np.arange(n) // 4], np.arange(n) % 4] for layer in kv
+                for s, n in enumerate(np.asarray(lens).tolist())]
+    for a, b in zip(entries(once.draft_kv, once.draft_seq_lens), entries(each.draft_kv, each.draft_seq_lens)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(entries(once.cache.kv, once.cache.seq_lens), entries(each.cache.kv, each.cache.seq_lens)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
