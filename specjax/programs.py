@@ -15,9 +15,8 @@ that keeps the draft in sync, same call shape and output layout; K > 1 of them r
 only, step.spec_lite_target, and extend the draft over their K tokens once at the end,
 step.lite_draft_sync: one draft forward per dispatch instead of one per step) and split
 (`verify` | `finish`) so that a grammar batch can compute its tree masks on the host while the target
-forward runs. `verify`
-donates the state and hands it back with the tree's K/V written (no copy of the cache); `finish`
-takes it with the logits and the masks. Plain decoding likewise:
+forward runs. `verify` donates the state and hands it back with the tree's K/V written (no copy of the
+cache); `finish` takes it with the logits and the masks. Plain decoding likewise:
 `decode_many` (num_steps steps in one program) and, for grammar batches, `forward` | `sample` (the
 forward of one step, then sampling with the masks computed meanwhile).
 

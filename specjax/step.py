@@ -569,11 +569,12 @@ def lite_draft_sync(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: 
         return state
     target, draft = _merge(tgd, tp, dgd, dp)
     out, (h, aux) = steps
-    rows = lambda x: None if x is None else jnp.swapaxes(x[:, :, 0], 0, 1)  # [K, B, 1, ...] -> [B, K, ...]  # noqa: E731
+
+    def by_row(x):  # [K, B, 1, ...] (one node per step) -> [B, K, ...]
+        return None if x is None else jnp.swapaxes(x[:, :, 0], 0, 1)
     with jax.named_scope("draft_extend"):
-        new, _, _ = _extend_draft(info, target, draft, state, slots, active, jnp.swapaxes(out.tokens[:, :, 0], 0, 1),
-                                  rows(h), None if aux is None else tuple(rows(a) for a in aux),
-                                  out.num_accepted.sum(0))
+        new, _, _ = _extend_draft(info, target, draft, state, slots, active, by_row(out.tokens), by_row(h),
+                                  None if aux is None else tuple(by_row(a) for a in aux), out.num_accepted.sum(0))
     return new
 
 

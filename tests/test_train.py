@@ -175,6 +175,8 @@ def test_data_shards(pipeline):
     assert [(root / "data" / s["file"]).stat().st_mtime_ns for s in man["shards"]] == stamp
     with pytest.raises(data_lib.DataError, match="other settings"):
         data_lib.build_data(dataclasses.replace(dcfg, temperatures=(0.5,)))
+    with pytest.raises(data_lib.DataError, match="other settings"):  # made without: not resumed with a share
+        data_lib.build_data(dataclasses.replace(dcfg, ignore_eos_share=0.3))
     _, shards = data_lib.load_shards(root / "data")
     sh = shards[0]
     assert sh.aux.dtype == np.uint16 and sh.aux.shape == (sh.ids.shape[0], 3 * 32)

@@ -230,7 +230,8 @@ def build_data(cfg: DataConfig) -> dict:
     if cfg.ignore_eos_share:  # recorded when used (directories made before it have no such key)
         settings["ignore_eos_share"] = cfg.ignore_eos_share
     for n, m in found.items():
-        if any(m.get(k) != v for k, v in settings.items() if k != "model_dir"):
+        if (any(m.get(k) != v for k, v in settings.items() if k != "model_dir")
+                or m.get("ignore_eos_share", 0.0) != cfg.ignore_eos_share):
             raise DataError(f"{out / n} was made with other settings; use another --out directory")
     man = found.get(man_name)
     if man is None:
