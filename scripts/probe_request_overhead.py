@@ -8,7 +8,8 @@ ones included),
 two lengths give both: per_step is what a longer output costs per step, per_request what admitting,
 prefilling, starting and ending a request costs on top (host round trips, the prefill program, the
 first dispatch's launch while the device waits). The share of per_request in the longer run is
-what a batch-1 evaluation of that many prompts loses to request boundaries.
+what a batch-1 evaluation of that many prompts loses to request boundaries. A third run of one token
+per request (the prefill alone, no decode dispatch) gives the part of per_request that is the prefill.
 
     python3 scripts/probe_request_overhead.py [--prompts 8] [--lengths 128,256] [--reps 2]
         [--draft DIR | --no-spec] [--no-plain] [--spec-steps-per-call 4] [--admit-ahead on|off|both]
@@ -87,9 +88,12 @@ def probe(label: str, llm, ids, lengths: tuple[int, int], reps: int) -> dict:
               f"ms / call, admitted ahead {r['admitted_ahead']} (misses {r['admit_ahead_misses']})", flush=True)
     per_step, per_req = fit(len(ids), runs[lengths[0]], runs[lengths[1]])
     share = len(ids) * per_req / runs[lengths[1]]["wall"]
+    first = timed_run(llm, ids, 1, reps)  # the prefill alone: each request's first token, no decode dispatch
     print(f"{label}: per step {per_step * 1e6:.1f} us, per request {per_req * 1e3:.2f} ms "
-          f"({100 * share:.1f} % of the {lengths[1]}-token run)", flush=True)
-    return dict(runs={str(L): r for L, r in runs.items()}, per_step_s=per_step, per_request_s=per_req, share=share)
+          f"({100 * share:.1f} % of the {lengths[1]}-token run); a request of one token (its prefill) "
+          f"{first['wall'] / len(ids) * 1e3:.2f} ms", flush=True)
+    return dict(runs={str(L): r for L, r in runs.items()}, per_step_s=per_step, per_request_s=per_req, share=share,
+                first_token_s=first["wall"] / len(ids))
 
 
 def main(argv=None) -> int:
