@@ -50,8 +50,5 @@ class AdmitAhead:
         re-admitted like a preempted one (its epoch drops any output still on its way)."""
         for req in reversed(released):
             if not req.finished:
-                req.epoch += 1
-                req.num_preempted += 1
-                self.sched.num_preempted += 1
                 self.admit_ahead_misses += 1
-                self.sched.queue.appendleft(req)
+                self.sched.requeue(req)

@@ -307,12 +307,17 @@ class Scheduler:
 
     def preempt(self, slot: int) -> Request:
         req = self.slots[slot]
-        req.epoch += 1  # outputs of steps dispatched for it so far are dropped
+        self.release(slot)
+        self.requeue(req)
+        return req
+
+    def requeue(self, req: Request) -> None:
+        """Put a request that lost its slot back at the front of the queue, to be re-admitted (its
+        prompt and tokens prefilled again); outputs of steps dispatched for it so far are dropped."""
+        req.epoch += 1
         req.num_preempted += 1
         self.num_preempted += 1
-        self.release(slot)
         self.queue.appendleft(req)
-        return req
 
     def ensure_extra(self, slots: list[int], extra: int) -> bool:
         """Pages for `extra` more cache entries past each slot's reservation, for all the slots or
