@@ -1,0 +1,148 @@
+"""Kernels per decode step of the engine's programs, by op name, from the compiled HLO (no timing).
+
+Compiles plain decoding's K-step program (`programs.plain_programs(...).decode_many`), the speculative
+engine's K lite steps (`programs.spec_programs(...).step(lite=True)`) and K fused steps for a small random
+Llama target with a random EAGLE-3 head, takes the body of each program's step loop and counts its
+kernels (fusions and copies; other instructions launch nothing) by the jax op name they came from, with
+layer indices folded ("layerN", the target's layers under "verify/" or not). Prints the totals and the op names whose counts differ between programs:
+what one step of one program launches that the other's does not. On a GPU these are the kernels XLA
+launches; on the CPU the fusion decisions are similar, not equal (a proxy for the GPU's counts).
+
+    python3 scripts/count_step_kernels.py                       # batch 32, 8 steps, 2 layers
+    python3 scripts/count_step_kernels.py --batch 1 --layers 4 --programs plain,fused --json k.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
+_BODY = re.compile(r"while\(.*body=%?([\w.\-]+)")
+_KERNEL = re.compile(r"= \S.*? (fusion|copy)\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def computations(hlo: str) -> dict[str, list[str]]:
+    """The instruction lines of each computation of an HLO module's text, by computation name."""
+    comps, cur = {}, None
+    for line in hlo.splitlines():
+        m = _COMP.match(line)
+        if m:
+            cur = m.group(1)
+            comps[cur] = []
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None:
+            comps[cur].append(line)
+    return comps
+
+
+def loop_kernels(hlo: str) -> collections.Counter:
+    """Kernels (fusions, copies) of the first while loop's body of a compiled module, by op name with
+    the jit / loop prefix dropped and layer indices folded. A module without a loop: ValueError."""
+    m = _BODY.search(hlo)
+    if m is None:
+        raise ValueError("no while loop in this module: compile a program of several steps (--steps >= 2)")
+    counts = collections.Counter()
+    for line in computations(hlo)[m.group(1)]:
+        if not _KERNEL.search(line):
+            continue
+        name = _OP_NAME.search(line)
+        name = name.group(1) if name else "(unnamed)"
+        name = re.sub(r"^jit\([^)]*\)/while/body/(closed_call/)?", "", name)
+        name = re.sub(r"layer\d+", "layerN", name)
+        counts[re.sub(r"^verify/(?=layerN/)", "", name)] += 1  # the target's layers, in a verify scope or not
+    return counts
+
+
+def build(batch: int, steps: int, layers: int, hidden: int, vocab: int, pages_per_row: int = 8, page_size: int = 4):
+    """{program name: compiled HLO text} for a random target and EAGLE-3 head (float32)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from specjax import programs as prog
+    from specjax.config import ModelConfig
+    from specjax.decode import DecodeState
+    from specjax.drafter import DraftInfo
+    from specjax.kv_cache import init_cache
+    from specjax.models.eagle import EagleConfig, EagleHead
+    from specjax.models.llama import Llama
+    from specjax.step import init_spec_state
+    from specjax.tree import SpecConfig
+
+    def llama_cfg(n_layers, inter):
+        return ModelConfig.from_hf_dict(dict(
+            architectures=["LlamaForCausalLM"], vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+            num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+            rope_theta=10000.0, tie_word_embeddings=False))
+    cfg = llama_cfg(layers, 2 * hidden)
+    target = Llama(cfg, jnp.float32, nnx.Rngs(0))
+    aux = (0, layers // 2, layers - 1)
+    ecfg = EagleConfig(method="eagle3", layer=llama_cfg(1, 2 * hidden), target_vocab_size=vocab,
+                       draft_vocab_size=vocab // 2, aux_layers=aux, fc_bias=False)
+    head = EagleHead(ecfg, jnp.float32, nnx.Rngs(1))
+    spec = SpecConfig(method="eagle3", num_steps=3, topk=2, num_draft_tokens=5)
+    B, pps = batch, pages_per_row
+
+    def cache(c):
+        kv = init_cache(c, num_pages=1 + B * pps, page_size=page_size, max_slots=B, max_seq_len=page_size * pps,
+                        dtype=jnp.float32)
+        kv.page_table = jnp.asarray(1 + np.arange(B * pps, dtype=np.int32).reshape(B, pps))
+        return kv
+    slots, active = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, bool)
+    samp_all, stop = prog.init_samp(B), prog.no_stop(B)
+    sp, tw, dw = prog.spec_programs(DraftInfo("eagle3", aux), spec, *nnx.split(target), *nnx.split(head))
+    pp, pw = prog.plain_programs(*nnx.split(target))
+
+    def spec_state():
+        return init_spec_state(cache(cfg), cache(ecfg.layer).kv, spec, vocab)
+    texts = {"plain": pp.decode_many.lower(pw, DecodeState(cache=cache(cfg), last_tokens=jnp.zeros(B, jnp.int32)),
+                                           samp_all, slots, active, None, num_steps=steps, want_logprobs=False,
+                                           stochastic=False)}
+    for name, lite in (("lite", True), ("fused", False)):
+        texts[name] = sp.step.lower(tw, dw, spec_state(), samp_all, slots, active, None, stop, num_steps=steps,
+                                    lite=lite, want_logprobs=False, stochastic=False)
+    return {k: v.compile().as_text() for k, v in texts.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=8, help="steps per program (>= 2: the loop whose body is counted)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--programs", default="plain,lite,fused")
+    p.add_argument("--json", help="write {program: {op name: kernels}} here")
+    a = p.parse_args(argv)
+    if a.steps < 2:
+        p.error("--steps must be >= 2: a one-step program has no loop to count")
+    wanted = [w.strip() for w in a.programs.split(",") if w.strip()]
+    unknown = set(wanted) - {"plain", "lite", "fused"}
+    if unknown:
+        p.error(f"unknown programs {sorted(unknown)}: choose from plain, lite, fused")
+    counts = {k: loop_kernels(v) for k, v in build(a.batch, a.steps, a.layers, a.hidden, a.vocab).items()
+              if k in wanted}
+    print(f"batch {a.batch}, {a.layers} layers: kernels per step " +
+          ", ".join(f"{k} {sum(c.values())}" for k, c in counts.items()))
+    names = sorted(set().union(*counts.values()))
+    print("  ".join(f"{k:>6s}" for k in counts) + "  op name (rows where the programs differ)")
+    for n in names:
+        row = [c[n] for c in counts.values()]
+        if len(set(row)) > 1:
+            print("  ".join(f"{v:6d}" for v in row) + f"  {n[:120]}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({k: dict(c) for k, c in counts.items()}, indent=1))
+    return counts
+
+
+if __name__ == "__main__":
+    main()
