@@ -234,17 +234,22 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
             return jax.tree.map(lambda x: x[None], out), _trees(state, slots), state
 
         if lite:  # K lite steps of the target, then the draft extend over their K tokens at once
-            def lite_body(carry, _):
+            def lite_body(carry, _):  # each output stacked here is a kernel per step: the fewest, packed
                 state, act = carry
                 act = live(state, act)
-                out, state, root = bound(step_lib.spec_lite_target, tw, dw, state, slots, act, samp,
-                                         want_logprobs=want_logprobs, stochastic=stochastic, kernels=kernels,
-                                         dfa=dfa)
-                return (state, act & ~_finished(out, state.cache.seq_lens[rs], stop)), (out, root)
+                out, state, (h, aux) = bound(step_lib.spec_lite_target, tw, dw, state, slots, act, samp,
+                                             want_logprobs=want_logprobs, stochastic=stochastic, kernels=kernels,
+                                             dfa=dfa)
+                packed = None if aux is None else jnp.concatenate(aux, axis=-1)  # [B, 1, len(aux) * E]
+                done = _finished(out, state.cache.seq_lens[rs], stop)
+                return (state, act & ~done), (dataclasses.replace(out, num_accepted=None, accept_hist=None), h, packed)
 
-            (state, _), steps = jax.lax.scan(lite_body, (state, active), None, length=num_steps)
-            state = bound(step_lib.lite_draft_sync, tw, dw, state, slots, active, steps)
-            return steps[0], _trees(state, slots), state
+            (state, _), (outs, h, packed) = jax.lax.scan(lite_body, (state, active), None, length=num_steps)
+            # a lite step emits one token in each active row (>= 0) and -1 elsewhere: its count, rebuilt
+            outs = dataclasses.replace(outs, num_accepted=(outs.tokens[..., 0] >= 0).astype(jnp.int32))
+            aux = None if packed is None else tuple(jnp.split(packed, len(info.aux_layers), axis=-1))
+            state = bound(step_lib.lite_draft_sync, tw, dw, state, slots, active, (outs, (h, aux)))
+            return step_lib.widen_lite(outs, spec.num_steps + 1), _trees(state, slots), state
 
         def body(carry, _):
             state, act = carry

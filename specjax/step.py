@@ -444,7 +444,7 @@ def _extend_draft(info: DraftInfo, target, draft, state: SpecState, slots, activ
     Returns (state, h_last [B, E], logits_last [B, Vd])."""
     rs, active = _rows(state, slots, active)
     Ld = state.draft_seq_lens[rs]
-    feats = None if h is None else drafter.target_features(info, draft, h, aux)
+    feats = drafter.target_features(info, draft, h, aux) if info.uses_features else None
     h_last, lg_last, dkv = draft_tree.extend(info, draft, target, state.draft_kv, state.cache.page_table[rs],
                                              state.cache.page_size, jnp.maximum(tokens, 0), feats, Ld, n)
     upd = jnp.where(active, slots, state.cache.seq_lens.shape[0])
@@ -536,17 +536,21 @@ def spec_lite_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: S
     The caller must have pages for lite_lookahead(info) entries past L of every active slot."""
     out, new, root = spec_lite_target(info, spec, tgd, tp, dgd, dp, state, slots, active, samp, want_logprobs,
                                       stochastic, kernels, dfa)
-    return out, lite_draft_sync(info, spec, tgd, tp, dgd, dp, new, slots, active,
-                                jax.tree.map(lambda x: x[None], (out, root)))
+    steps = jax.tree.map(lambda x: x[None], (out, root))  # K = 1
+    new = lite_draft_sync(info, spec, tgd, tp, dgd, dp, new, slots, active, steps)
+    return _widen(out, spec.num_steps + 1), new
 
 
 def spec_lite_target(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
                      samp: SamplingArrays, want_logprobs=False, stochastic=True, kernels: Kernels = Kernels(),
                      dfa: bool = False):
-    """spec_lite_step without its draft extend -> (SpecOut, state, root): root = the target's outputs
-    at the root that the extend consumes ((h, aux) [B, 1, E] each, or (None, None)). K of these, then
-    one lite_draft_sync over their K tokens, leave the state K lite steps leave (the draft is not
-    read in between: a lite step verifies the root alone), with one draft forward instead of K."""
+    """spec_lite_step without its draft extend -> (SpecOut, state, root): the SpecOut of the root alone
+    (tokens [B, 1]; widen_lite or _widen give the fused layout), root = the target's outputs at the root
+    that the extend consumes: (h, None) for an EAGLE head, (None, aux) for EAGLE-3 ([B, 1, E] each),
+    (None, None) without features. K of these, then one lite_draft_sync over their K tokens, leave
+    the state K lite steps leave (the draft is not read in between: a lite step verifies the root
+    alone), with one draft forward instead of K. Only what the draft reads is returned: each output
+    of a step in a dispatch's loop is one more kernel per step."""
     target, _ = _merge(tgd, tp, dgd, dp)
     view = root_view(state)
     with jax.named_scope("verify"):
@@ -557,7 +561,16 @@ def spec_lite_target(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state:
     _, active = _rows(state, slots, active)
     upd = jnp.where(active, slots, state.cache.seq_lens.shape[0])
     new = dataclasses.replace(new, tree_tokens=new.tree_tokens.at[upd, 0].set(acc.bonus, mode="drop"))
-    return _widen(acc.out, spec.num_steps + 1), new, _accepted_outputs(info, ver, acc)
+    root = (ver.h if info.method == "eagle" else None, tuple(ver.aux) if info.method == "eagle3" else None)
+    return acc.out, new, root  # one node: the root is the accepted node (no gather)
+
+
+def widen_lite(outs: SpecOut, width: int) -> SpecOut:
+    """K lite steps' SpecOut ([K, B, 1] tokens, num_accepted [K, B]; accept_hist None: rebuilt here,
+    out of the dispatch's loop) -> the fused layout: tokens [K, B, width], accept_hist [K, width + 1]."""
+    hist = jax.vmap(lambda n: jnp.zeros((width + 1,), jnp.int32).at[n].add((n > 0).astype(jnp.int32)))(
+        outs.num_accepted)
+    return jax.vmap(lambda o, h: _widen(dataclasses.replace(o, accept_hist=h), width))(outs, hist)
 
 
 def lite_draft_sync(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,

@@ -393,16 +393,21 @@ def test_lite_dispatch_extends_the_draft_once(world, kind):
 
     def run(K, calls):
         state, samp_all = fresh()
-        toks = []
+        outs = []
         for _ in range(calls):
             o, _, state = progs.step(tw, dw, state, samp_all, slots, active, None, stop, num_steps=K, lite=True,
                                      want_logprobs=False, stochastic=False)
-            toks.append(np.asarray(o.tokens)[:, :, 0])  # [K, 3]
-        return np.concatenate(toks), state
+            outs.append(o)  # fields [K, 3, ...] in the fused step's layout
+        out = jax.tree.map(lambda *x: np.concatenate([np.asarray(a) for a in x]), *outs)
+        return out, state
 
-    t_once, once = run(3, 1)
-    t_each, each = run(1, 3)
-    np.testing.assert_array_equal(t_once, t_each)
+    o_once, once = run(3, 1)
+    o_each, each = run(1, 3)  # one-step dispatches: spec_lite_step, its outputs drawn by accept itself
+    for name in ("tokens", "num_accepted", "accept_hist"):  # the K-step loop's outputs, rebuilt after it
+        np.testing.assert_array_equal(getattr(o_once, name), getattr(o_each, name), name)
+    assert o_once.tokens.shape == (3, 3, d.spec.num_steps + 1) and (o_once.tokens[:, :, 1:] == -1).all()
+    assert o_once.num_accepted.tolist() == [[1, 1, 0], [1, 1, 0], [1, 0, 0]]
+    t_once = o_once.tokens[:, :, 0]
     assert (t_once[:, 2] == -1).all() and (t_once[2:, 1] == -1).all() and (t_once[:, 0] >= 0).all()
     for name in ("draft_seq_lens", "tree_tokens", "tree_parents"):
         np.testing.assert_array_equal(np.asarray(getattr(once, name)), np.asarray(getattr(each, name)), name)
