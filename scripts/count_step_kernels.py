@@ -1,15 +1,16 @@
 """Kernels per decode step of the engine's programs, by op name, from the compiled HLO (no timing).
 
 Compiles plain decoding's K-step program (`programs.plain_programs(...).decode_many`), the speculative
-engine's K lite steps (`programs.spec_programs(...).step(lite=True)`) and K fused steps for a small random
-Llama target with a random EAGLE-3 head, takes the body of each program's step loop and counts its
-kernels (fusions and copies; other instructions launch nothing) by the jax op name they came from, with
-layer indices folded ("layerN", the target's layers under "verify/" or not). Prints the totals and the op names whose counts differ between programs:
-what one step of one program launches that the other's does not. On a GPU these are the kernels XLA
-launches; on the CPU the fusion decisions are similar, not equal (a proxy for the GPU's counts).
+engine's K lite steps (`programs.spec_programs(...).step(lite=True)`) and K fused steps for a random
+target of a named shape (`specjax.shapes`) with a random EAGLE-3 head, takes the body of each program's
+step loop and counts its kernels (fusions and copies; other instructions launch nothing) by the jax op
+name they came from, layer indices folded ("layerN", the target's layers under "verify/" or not).
+Prints the totals and the op names whose counts differ between programs: what one step of one
+program launches that the other's does not. On a GPU these are the kernels XLA launches; on the CPU
+the fusion decisions are similar, not equal (a proxy for the GPU's counts).
 
-    python3 scripts/count_step_kernels.py                       # batch 32, 8 steps, 2 layers
-    python3 scripts/count_step_kernels.py --batch 1 --layers 4 --programs plain,fused --json k.json
+    python3 scripts/count_step_kernels.py                       # tiny shape, batch 32, 8 steps
+    python3 scripts/count_step_kernels.py --shape smollm2-135m --batch 1 --programs plain,fused --json k.json
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))  # bench_spec's random EAGLE-3 head
 
 _COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
 _BODY = re.compile(r"while\(.*body=%?([\w.\-]+)")
@@ -62,33 +64,26 @@ def loop_kernels(hlo: str) -> collections.Counter:
     return counts
 
 
-def build(batch: int, steps: int, layers: int, hidden: int, vocab: int, pages_per_row: int = 8, page_size: int = 4):
-    """{program name: compiled HLO text} for a random target and EAGLE-3 head (float32)."""
+def build(shape: str, batch: int, steps: int, pages_per_row: int = 8, page_size: int = 16):
+    """{program name: compiled HLO text} for a random target of a named shape (specjax.shapes) and a
+    random EAGLE-3 head (bench_spec.eagle3_head), float32."""
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
+    import bench_spec as bs
     from specjax import programs as prog
-    from specjax.config import ModelConfig
     from specjax.decode import DecodeState
     from specjax.drafter import DraftInfo
     from specjax.kv_cache import init_cache
-    from specjax.models.eagle import EagleConfig, EagleHead
     from specjax.models.llama import Llama
+    from specjax.shapes import shape_config
     from specjax.step import init_spec_state
     from specjax.tree import SpecConfig
 
-    def llama_cfg(n_layers, inter):
-        return ModelConfig.from_hf_dict(dict(
-            architectures=["LlamaForCausalLM"], vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-            num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-            rope_theta=10000.0, tie_word_embeddings=False))
-    cfg = llama_cfg(layers, 2 * hidden)
+    cfg = shape_config(shape)
     target = Llama(cfg, jnp.float32, nnx.Rngs(0))
-    aux = (0, layers // 2, layers - 1)
-    ecfg = EagleConfig(method="eagle3", layer=llama_cfg(1, 2 * hidden), target_vocab_size=vocab,
-                       draft_vocab_size=vocab // 2, aux_layers=aux, fc_bias=False)
-    head = EagleHead(ecfg, jnp.float32, nnx.Rngs(1))
+    head, ecfg = bs.eagle3_head(shape, cfg, jnp.float32)
     spec = SpecConfig(method="eagle3", num_steps=3, topk=2, num_draft_tokens=5)
     B, pps = batch, pages_per_row
 
@@ -99,16 +94,15 @@ def build(batch: int, steps: int, layers: int, hidden: int, vocab: int, pages_pe
         return kv
     slots, active = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, bool)
     samp_all, stop = prog.init_samp(B), prog.no_stop(B)
-    sp, tw, dw = prog.spec_programs(DraftInfo("eagle3", aux), spec, *nnx.split(target), *nnx.split(head))
+    sp, tw, dw = prog.spec_programs(DraftInfo("eagle3", ecfg.aux_layers), spec, *nnx.split(target),
+                                    *nnx.split(head))
     pp, pw = prog.plain_programs(*nnx.split(target))
-
-    def spec_state():
-        return init_spec_state(cache(cfg), cache(ecfg.layer).kv, spec, vocab)
     texts = {"plain": pp.decode_many.lower(pw, DecodeState(cache=cache(cfg), last_tokens=jnp.zeros(B, jnp.int32)),
                                            samp_all, slots, active, None, num_steps=steps, want_logprobs=False,
                                            stochastic=False)}
     for name, lite in (("lite", True), ("fused", False)):
-        texts[name] = sp.step.lower(tw, dw, spec_state(), samp_all, slots, active, None, stop, num_steps=steps,
+        state = init_spec_state(cache(cfg), cache(ecfg.layer).kv, spec, cfg.vocab_size)
+        texts[name] = sp.step.lower(tw, dw, state, samp_all, slots, active, None, stop, num_steps=steps,
                                     lite=lite, want_logprobs=False, stochastic=False)
     return {k: v.compile().as_text() for k, v in texts.items()}
 
@@ -117,9 +111,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=8, help="steps per program (>= 2: the loop whose body is counted)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--shape", default="tiny", help="a random target of this shape (specjax.shapes)")
     p.add_argument("--programs", default="plain,lite,fused")
     p.add_argument("--json", help="write {program: {op name: kernels}} here")
     a = p.parse_args(argv)
@@ -129,9 +121,9 @@ def main(argv=None):
     unknown = set(wanted) - {"plain", "lite", "fused"}
     if unknown:
         p.error(f"unknown programs {sorted(unknown)}: choose from plain, lite, fused")
-    counts = {k: loop_kernels(v) for k, v in build(a.batch, a.steps, a.layers, a.hidden, a.vocab).items()
+    counts = {k: loop_kernels(v) for k, v in build(a.shape, a.batch, a.steps).items()
               if k in wanted}
-    print(f"batch {a.batch}, {a.layers} layers: kernels per step " +
+    print(f"{a.shape}, batch {a.batch}: kernels per step " +
           ", ".join(f"{k} {sum(c.values())}" for k, c in counts.items()))
     names = sorted(set().union(*counts.values()))
     print("  ".join(f"{k:>6s}" for k in counts) + "  op name (rows where the programs differ)")
