@@ -23,7 +23,9 @@ vocabulary):
     boolean, null   true | false, null
     enum, const the values serialised as picojson does (picojson_dumps): no whitespace, keys in
                 their order, string escapes \" \\ \b \f \n \r \t and \u00xx for other controls
-                and DEL, numbers as int64, else "%.f" for whole doubles below 2^53, else "%.17g"
+                and DEL, numbers as int64, else "%.f" for whole doubles up to 2^53, else "%.17g"
+                (xgrammar 0.2.8) or the shortest of "%.15g" / "%.16g" / "%.17g" that reads back
+                (0.2.9 on; the installed xgrammar is asked once: _xgrammar_spells_short)
     array       [ item (, item){minItems-1, maxItems-1} ], and [] where minItems is 0 (only []
                 where maxItems is 0 or items is false)
     object      the properties in the schema's order (strict_mode: no others; SamplingParams keeps
@@ -45,6 +47,7 @@ max_states, specjax.dfa_routing).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -113,6 +116,35 @@ def _pico_str(s: str) -> str:
     return (bytes(out) + b'"').decode("utf-8", "surrogatepass")
 
 
+def _spell_double(x: float, short: bool) -> str:
+    """A double as xgrammar writes it in const / enum: whole values up to 2^53 as integers; other values
+    "%.17g" (xgrammar 0.2.8), or (short, from 0.2.9 on) the first of "%.15g", "%.16g", "%.17g" that
+    reads back as the same double (0.1 -> "0.1", 1e300 -> "1e+300" instead of
+    "0.10000000000000001", "1.0000000000000001e+300")."""
+    if abs(x) <= 2.0 ** 53 and x.is_integer():
+        return "%.f" % x
+    for digits in ((15, 16) if short else ()):
+        text = "%.*g" % (digits, x)
+        if float(text) == x:
+            return text
+    return "%.17g" % x
+
+
+@functools.cache
+def _xgrammar_spells_short() -> bool:
+    """Whether the installed xgrammar writes const / enum doubles in their short form (_spell_double):
+    asked once, by compiling {"const": 0.1}, so that the device DFA's language stays the host path's
+    with either spelling. Without xgrammar: the long form ("%.17g", the pinned versions')."""
+    try:
+        import xgrammar
+    except ImportError:
+        return False
+    info = xgrammar.TokenizerInfo(["a"], vocab_size=1, stop_token_ids=[0])
+    grammar = xgrammar.Grammar.from_json_schema('{"const": 0.1}', any_whitespace=False, strict_mode=True)
+    matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info, max_threads=1).compile_grammar(grammar))
+    return bool(matcher.accept_string(b"0.1") and matcher.is_completed())
+
+
 def picojson_dumps(v) -> str:
     """A JSON value (from json.loads) as xgrammar writes it for const / enum (picojson's serialize)."""
     if v is None:
@@ -128,7 +160,7 @@ def picojson_dumps(v) -> str:
             raise SchemaUnsupported(f"the number {v} is out of a double's range") from None
         if not math.isfinite(x):
             raise SchemaUnsupported(f"the number {v} is not finite")
-        return "%.f" % x if abs(x) < 2.0 ** 53 and x.is_integer() else "%.17g" % x
+        return _spell_double(x, _xgrammar_spells_short())
     if isinstance(v, str):
         return _pico_str(v)
     if isinstance(v, list):

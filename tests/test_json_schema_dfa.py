@@ -126,10 +126,21 @@ def test_integer_ranges_are_the_canonical_integers():
 
 
 def test_picojson_spelling():
+    """const / enum values as xgrammar writes them; doubles in the installed xgrammar's form (0.2.8: "%.17g";
+    0.2.9 on: the shortest of %.15g / %.16g / %.17g that reads back), the values probed against both versions."""
+    from specjax.json_schema_regex import _spell_double, _xgrammar_spells_short
+    short = _xgrammar_spells_short()
     assert picojson_dumps({"k": [1, 2.0, 0.1, -0.0, None, True], "é/\"\x7f\x01\n": "x"}) == \
-        '{"k":[1,2,0.10000000000000001,-0,null,true],"é/\\"\\u007f\\u0001\\n":"x"}'
+        '{"k":[1,2,%s,-0,null,true],"é/\\"\\u007f\\u0001\\n":"x"}' % ("0.1" if short else "0.10000000000000001")
     assert picojson_dumps(12345678901234567890) == "1.2345678901234567e+19"
-    assert picojson_dumps(1e300) == "1.0000000000000001e+300"
+    assert picojson_dumps(1e300) == ("1e+300" if short else "1.0000000000000001e+300")
+    cases = {  # value: (xgrammar 0.2.8, 0.2.9)
+        1e-5: ("1.0000000000000001e-05", "1e-05"), 5e-324: ("4.9406564584124654e-324", "4.94065645841247e-324"),
+        1e16: ("10000000000000000", "1e+16"), 3e15: ("3000000000000000", "3000000000000000"),
+        2.0 ** 53: ("9007199254740992", "9007199254740992"), 2.0 ** 60: ("1.152921504606847e+18",) * 2,
+        1234567890123456.5: ("1234567890123456.5",) * 2, 1e-320: ("9.9998886718268301e-321", "9.99988867182683e-321")}
+    for x, (long_form, short_form) in cases.items():
+        assert (_spell_double(x, False), _spell_double(x, True)) == (long_form, short_form), x
 
 
 @pytest.mark.parametrize("schema,why", UNSUPPORTED, ids=[w for _, w in UNSUPPORTED])

@@ -131,6 +131,23 @@ def test_dot_and_space_xgrammar_meaning():
         assert not compile_regex(p).matches(surrogate) and compile_regex(p, xgrammar=True).matches(surrogate), p
 
 
+def test_bounded_dot_needs_its_minimum():
+    """".{2,9}x?" matches no text shorter than two characters, as Python's re says, and its token DFA
+    allows EOS only from there on. (xgrammar 0.2.9 lets ".{2,9}" end after 0 or 1 characters, not
+    "a{2,9}"; 0.2.8 does not: why pyproject keeps xgrammar below 0.2.9.)"""
+    texts = ["", "a", "ab", "a\nb", "abcdefghi", "abcdefghix", "abcdefghij", "abcdefghijx"]
+    for xg in (False, True):
+        dfa = compile_regex(".{2,9}x?", xgrammar=xg)
+        for t in texts:
+            want = re.fullmatch(".{2,9}x?", t, re.ASCII | (re.DOTALL if xg else 0)) is not None
+            assert dfa.matches(t.encode()) == want, (xg, t)
+        td = build_token_dfa(dfa, HAND, HAND_EOS, HAND_V)
+        state = 0
+        for step in range(3):
+            assert td.allowed(state)[HAND_EOS].all() == (step >= 2), (xg, step)
+            state = td.step(state, HAND.index(b"a"))
+
+
 def test_choice_regex():
     choices = ["red", "a.b", "中文", "x|y", "(", "red wine"]
     dfa = compile_regex(choice_regex(choices))
