@@ -23,16 +23,25 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf():
+    """The reference, run on one torch thread: under `pytest -n 2` on 2 cores the other worker keeps
+    the second core busy and torch's two threads wait on each other (HF's greedy 32 tokens of one
+    prompt: 19 s on two threads against 5 s on one, with both cores busy; 3 s against 2 s idle)."""
     default_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(CACHE_DIR), gguf_file=GGUF_NAME,
-                                                              dtype=torch.float32)
-    model.eval()
-    return model
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(CACHE_DIR), gguf_file=GGUF_NAME,
+                                                                  dtype=torch.float32)
+        model.eval()
+        yield model
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(ensure_default(), dtype="float32", max_batch=4, max_seq_len=256, page_size=16)
+    # the six prompts in one batch; prompt (35-39 tokens) + 32 new ones cross page boundaries (48, 64)
+    return LLM(ensure_default(), dtype="float32", max_batch=8, max_seq_len=128, page_size=16)
 
 
 def _chat_ids(llm, text):
