@@ -47,9 +47,9 @@ def engine(models, mode, *, max_batch=8, page_size=4, num_pages=None, sched=None
                   sched=sched)
 
 
-def workload(n=64, seed=0):
+def workload(n=64, seed=0, stop_ids=8):
     """(prompt, params, seed) of n requests: mixed prompt lengths, lengths to generate, greedy and
-    sampled rows, EOS / stop ids / stop strings."""
+    sampled rows, EOS / stop ids (lists of `stop_ids` ids) / stop strings."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -58,7 +58,7 @@ def workload(n=64, seed=0):
         if i % 4 == 1:
             kw.update(temperature=0.8, top_p=0.9, top_k=20)
         if i % 7 == 3:
-            kw["stop_token_ids"] = [int(t) for t in rng.integers(0, 96, size=8)]
+            kw["stop_token_ids"] = [int(t) for t in rng.integers(0, 96, size=8)][:stop_ids]
         if i % 9 == 5:
             kw["stop"] = [f"<{int(t)}>" for t in rng.integers(0, 96, size=6)]
         out.append((prompt, SamplingParams(**kw), 1000 + i))
