@@ -8,7 +8,7 @@ is exactly that of the host path's grammar for the schema,
 :class:`SchemaUnsupported` with the reason, and its requests keep the host path.
 
 xgrammar's JSON under those options (its cpp/json_schema_converter.cc; checked against xgrammar
-0.2.8 by tests/test_json_schema_dfa.py: same language, and the same token masks on SmolLM2's
+0.2.8 and 0.2.9 by tests/test_json_schema_dfa.py: same language, and the same token masks on SmolLM2's
 vocabulary):
 
     layout      ", " between array items and between properties, ": " after a key, no other
