@@ -1,6 +1,8 @@
-"""Shared test helpers: tiny random models, a stand-in tokenizer, the default model (or a skip)."""
+"""Shared test helpers: tiny random models, a stand-in tokenizer, the default model (or a skip),
+torch on one thread."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -59,6 +61,21 @@ def default_model_or_skip():
         if in_ci():
             pytest.fail(f"CI=true: {why}", pytrace=False)
         pytest.skip(why)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch on one thread inside the block (the real model's references through transformers).
+    Under `pytest -n 2` on 2 cores the other worker keeps the second core busy and torch's two
+    threads wait on each other: with both cores busy, HF greedy 32 tokens of one SmolLM2 prompt took
+    19 s on two threads against 5 s on one (3 s against 2 s on an idle machine)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def prefill_kv(eng, req):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import one_torch_thread
 from specjax import LLM, SamplingParams
 from specjax.cli import main
 from specjax.default_model import ensure_default
@@ -75,7 +76,7 @@ def hf_greedy(model_dir, prompt_ids: list[list[int]], n: int) -> list[list[int]]
     model.tie_weights()
     model.eval()
     outs = []
-    with torch.no_grad():
+    with torch.no_grad(), one_torch_thread():
         for ids in prompt_ids:
             seq = list(ids)
             for _ in range(n):  # explicit greedy loop (full recompute)

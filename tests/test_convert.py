@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import one_torch_thread
 from specjax.checkpoint import CheckpointError, load_flat, load_model
 from specjax.config import ConfigError
 from specjax.convert import ConvertError, convert
@@ -337,7 +338,8 @@ def test_default_gguf_matches_transformers():
     cfg, flat = load_flat(model_dir)
     assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == ("LlamaForCausalLM", 30, 9, 3)
     assert cfg.tie_word_embeddings and "lm_head" not in flat and flat["embed"].dtype == np.float32
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with one_torch_thread():
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     assert_flat_equal(flat, expected_flat(sd, cfg))
     _, model = load_model(model_dir, dtype="bfloat16")

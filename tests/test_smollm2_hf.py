@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from helpers import one_torch_thread  # noqa: E402
 from specjax import LLM, SamplingParams  # noqa: E402
 from specjax.default_model import CACHE_DIR, GGUF_NAME, default_gguf_path, ensure_default  # noqa: E402
 
@@ -23,19 +24,14 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf():
-    """The reference, run on one torch thread: under `pytest -n 2` on 2 cores the other worker keeps
-    the second core busy and torch's two threads wait on each other (HF's greedy 32 tokens of one
-    prompt: 19 s on two threads against 5 s on one, with both cores busy; 3 s against 2 s idle)."""
+    """The reference, run on one torch thread (helpers.one_torch_thread: with the other core busy,
+    this module took 235 s on two threads, 90 s on one)."""
     default_gguf_path()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         model = transformers.AutoModelForCausalLM.from_pretrained(str(CACHE_DIR), gguf_file=GGUF_NAME,
                                                                   dtype=torch.float32)
         model.eval()
         yield model
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
