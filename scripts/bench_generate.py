@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import pstats
 import sys
@@ -67,7 +68,7 @@ def prompts(llm, n: int) -> list[list[int]]:
             for text in prompt_texts(n)]
 
 
-KINDS = ("spec", "lite", "decode")
+KINDS = ("spec", "lite", "lazy", "decode")
 
 
 def timed(llm, ids, params, profile: int = 0):
@@ -129,6 +130,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-spec", action="store_true")
     p.add_argument("--no-plain", action="store_true")
     p.add_argument("--spec-steps-per-call", type=int, default=None)
+    p.add_argument("--synced-lite", action="store_true",
+                   help="lite steps keep an EAGLE head's draft in sync (BatchOptions.lazy_draft off; default: "
+                   "plain decoding's program, the draft caught up when the batch shrinks: specjax.lazy_draft)")
     p.add_argument("--attention", default="auto", help="paged-attention implementation (specjax.attention)")
     p.add_argument("--speculate-below", type=speculate_below_arg, default="auto",
                    help="lite steps (plain, the draft kept in sync) for batches of >= N rows; 'none': always "
@@ -151,9 +155,10 @@ def main(argv=None) -> int:
             llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=draft if spec else None,
                       speculate_below=a.speculate_below if spec else "auto", attention=a.attention)
             if spec and a.spec_steps_per_call is not None:
-                import dataclasses
                 llm.engine.batch_opts = dataclasses.replace(llm.engine.batch_opts,
                                                             spec_steps_per_call=a.spec_steps_per_call)
+            if spec and a.synced_lite:
+                llm.engine.batch_opts = dataclasses.replace(llm.engine.batch_opts, lazy_draft=False)
             r = run(llm, B, a, spec)
             pair[r["kind"]] = r
             rows.append(r)
@@ -166,14 +171,14 @@ def main(argv=None) -> int:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
     print(f"\n{'B':>4} {'kind':6} {'tok/s':>9} {'tau':>5} {'spec/plain':>10} {'compiles 1/2/3':>15} {'first s':>8} "
-          f"{'dispatches spec/lite/decode':>28}")
+          f"{'dispatches spec/lite/lazy/decode':>33}")
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
         ratio = f"{r['spec_over_plain']:.2f}" if "spec_over_plain" in r else "-"
         disp = "/".join(str(r[f"{k}_dispatches"]) for k in KINDS)
         print(f"{r['batch']:>4} {r['kind']:6} {r['tok_s']:>9.1f} {tau:>5} {ratio:>10} "
               f"{r['first_compiles']:>5}/{r['second_compiles']}/{r['third_compiles']:<5} {r['first_s']:>8.2f} "
-              f"{disp:>28}")
+              f"{disp:>33}")
     return 0
 
 

@@ -6,7 +6,10 @@ KV pages those steps need beyond the scheduler's one-step reservation. Host only
              "spec"    fused speculative steps (specjax.step.spec_step)
              "lite"    lite steps (specjax.step.spec_lite_step: plain decoding that keeps the draft in
                        sync), for a speculative engine's batch of >= speculate_below rows
-    -> K     decode / lite: steps_per_call, bucketed by the most tokens a row still needs (few
+             "lazy"    instead of "lite" for an EAGLE head (BatchOptions.lazy_draft): plain decoding's
+                       program, the draft left behind and caught up when it is read again
+                       (specjax.lazy_draft); the acceptance gate's lite steps stay "lite"
+    -> K     decode / lite / lazy: steps_per_call, bucketed by the most tokens a row still needs (few
              programs: one per bucket); spec: spec_steps_per_call; a grammar batch: 1; adaptive
              steps (StepsCap) lower the cap, with a program compiled for the rows (else the nearest
              level's, the wanted one compiled in the background)
@@ -20,7 +23,9 @@ Adaptive speculation: verifying a tree costs a forward over N tokens; where the 
 target is compute-bound and the fused step costs several plain steps, more than the accepted tokens
 (tau) repay. From `speculate_below` rows on, the engine runs lite steps: one token per row per step
 at the cost of a plain step plus the draft's extend over that token, and its draft trees stay valid
-(specjax.step, "The lite step"), so fused steps resume losslessly when the batch shrinks. Grammar
+(specjax.step, "The lite step"), so fused steps resume losslessly when the batch shrinks; with an EAGLE
+head they are "lazy" instead (plain decoding's program exactly, the draft brought up to date by one
+prefill-like catch-up per lagging row when a dispatch reads it again: specjax.lazy_draft). Grammar
 batches always run fused steps (their masks cover one tree). The threshold compares the rows of
 the step (not their padded bucket); the programs of both kinds compile on first use per batch bucket.
 Below that threshold the acceptance gate (specjax.adaptive, BatchOptions.min_accept) also picks lite
@@ -34,7 +39,7 @@ from specjax.scheduler import Scheduler, bucket
 
 
 class DispatchPlan(NamedTuple):
-    kind: str  # "decode" | "spec" | "lite"
+    kind: str  # "decode" | "spec" | "lite" | "lazy"
     num_steps: int  # K, steps in the dispatch
     advance: int  # cache positions a row may gain (scheduler.inflight)
     sure: int  # steps run: tokens a row gets at least, or it finishes (scheduler.sure)
@@ -105,6 +110,12 @@ def runs_lite(n_rows: int, speculate_below: int | None) -> bool:
     return speculate_below is not None and n_rows >= speculate_below
 
 
+def lazy_ok(draft, batch_opts) -> bool:
+    """Whether this engine's lite steps for large batches leave the draft behind (specjax.lazy_draft)."""
+    from specjax.lazy_draft import supports_lazy
+    return batch_opts.lazy_draft and draft is not None and supports_lazy(draft.info, draft.spec)
+
+
 def _work_steps(rows, steps_per_call: int) -> int:
     """steps_per_call, bucketed by the most tokens a row still needs."""
     return min(steps_per_call, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, steps_per_call))
@@ -133,6 +144,8 @@ def plan(rows, grammar: bool, batch_opts, sched: Scheduler, draft=None, lookahea
     last = (batch_opts.steps_per_call, batch_opts.spec_steps_per_call)
     if draft is None:
         kind = "decode"
+    elif not grammar and runs_lite(len(rows), batch_opts.speculate_below) and lazy_ok(draft, batch_opts):
+        kind = "lazy"
     elif not grammar and (gated or runs_lite(len(rows), batch_opts.speculate_below)):
         kind = "lite"
     else:
@@ -142,12 +155,12 @@ def plan(rows, grammar: bool, batch_opts, sched: Scheduler, draft=None, lookahea
     wanted = None if K == Ks[0] else Ks[0]
     if kind == "decode":
         return DispatchPlan("decode", K, K, K, wanted)
-    if kind == "lite":
+    if kind in ("lite", "lazy"):  # a lazy step touches L .. L + K - 1, fewer than lite_lookahead
         from specjax.step import lite_lookahead
         extra = lite_lookahead(draft.info, K) - lookahead  # one lite step touches <= 2 <= lookahead entries
         if extra > 0 and not sched.ensure_extra(slots, extra):
             K = 1
-        return DispatchPlan("lite", K, K, K, wanted)
+        return DispatchPlan(kind, K, K, K, wanted)
     per_step = draft.spec.num_steps + 1
     if K > 1 and not sched.ensure_extra(slots, (K - 1) * per_step):
         K = 1

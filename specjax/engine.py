@@ -18,8 +18,9 @@ One engine step (`Engine.step`):
   3. dispatch step t+1 for the running slots whose prefill is complete (rows bucketed to a power of
      two): a long prompt's chunks alternate with the decode steps of the others. A speculative
      engine runs fused steps, or lite steps (plain decoding that keeps the draft in sync) for
-     batches of >= BatchOptions.speculate_below rows; the kind and the steps per dispatch:
-     specjax.dispatch_plan;
+     batches of >= BatchOptions.speculate_below rows (an EAGLE head: lazy steps, plain decoding's
+     program, its draft caught up before a dispatch reads it again: specjax.engine_catchup); the
+     kind and the steps per dispatch: specjax.dispatch_plan;
   4. read step t's outputs (their device->host copy started when t was dispatched) and deliver the
      tokens. A request that finished or was cancelled leaves the batch here, one step late: what
      step t+1 computed for it is dropped, so the outputs are those of the synchronous loop
@@ -55,6 +56,7 @@ from specjax.background_compile import BackgroundCompiles
 from specjax.compile_watch import CompileWatch, freeze_heap
 from specjax import programs as prog
 from specjax.engine_ahead import AdmitAhead
+from specjax.engine_catchup import CatchUpSteps
 from specjax.engine_dfa import DFASteps
 from specjax.engine_options import BatchOptions, CacheOptions, Draft, StepUpdate, check_speculate_below
 from specjax.engine_grammar import GrammarSteps
@@ -78,7 +80,7 @@ log = logging.getLogger("specjax")
 @dataclasses.dataclass
 class _Dispatched:
     """A dispatched program whose outputs are on their way to the host."""
-    kind: str  # "prefill" | "decode" | "spec" | "lite"
+    kind: str  # "prefill" | "decode" | "spec" | "lite" | "lazy"
     out: object
     trees: tuple | None  # speculative: the rows' next trees (tokens, parents [B, N])
     rows: list[tuple[int, int, Request, int]]  # (row, slot, request, its epoch at dispatch)
@@ -87,7 +89,7 @@ class _Dispatched:
     after_lite: bool = False  # a fused dispatch right after lite ones (its first step verifies a stale tree)
 
 
-class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, AdmitAhead):
+class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, AdmitAhead, CatchUpSteps):
     def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
                  draft: Draft | None = None, mesh=None, sched: SchedulerOptions | None = None, grammar=None,
                  kv_compact_impl: str = "auto", attention: str | attn_lib.AttnImpl = "auto",
@@ -176,7 +178,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         self.masks = MaskBuilder(self._width(), self.opts.mask_threads)  # grammar masks, built on the host
         self.host = HostTimes()
         self.shapes = ShapeReuse(slack=4)  # padded shapes: reuse a compiled program up to 4x the size
-        self.dispatches = dict.fromkeys(("decode", "spec", "lite"), 0)  # decode dispatches by kind
+        self.dispatches = dict.fromkeys(("decode", "spec", "lite", "lazy"), 0)  # decode dispatches by kind
         self.steps_cap = dispatch_plan.StepsCap(batch_opts.adaptive_steps)  # steps per dispatch at most
         self.background = BackgroundCompiles()  # the adapted steps' programs, compiled off the engine thread
         self.compiles_from_leader = False  # multi-host follower: process 0 says when they are ready
@@ -184,9 +186,11 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         self._loop_end = None  # when the last step() that dispatched ended (the loop's period)
         self.gate = AcceptanceGate()  # lite or fused steps by measured acceptance (BatchOptions.min_accept)
         self._last_kind = None  # the kind of the last decode dispatch
+        self._lag = {}  # slot -> (request, epoch, draft length) of drafts left behind (specjax.engine_catchup)
+        self.catch_ups = self.catch_up_tokens = 0  # their catch-up prefill calls and tokens
         self.held_back = 0  # steps that read the dispatches in flight instead of dispatching (_hold_back)
         self.admitted_ahead = self.admit_ahead_misses = 0
-        self.dispatched_steps = dict.fromkeys(("decode", "spec", "lite"), 0)  # the steps they ran
+        self.dispatched_steps = dict.fromkeys(("decode", "spec", "lite", "lazy"), 0)  # the steps they ran
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
         freeze_heap()  # the model's objects, alive for the engine's life: out of later collections' way
@@ -219,7 +223,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         """Counters for metrics: queue and slots, KV pages, prefix cache (hit rate = reused tokens /
         looked-up tokens), prefilled tokens, preemptions; host time of the loop by phase (host_*_s:
         read, accept, masks, drafts, dispatch; host_step_s: all of step(), over host_steps steps); decode
-        dispatches and the steps they ran by kind (decode / spec / lite: specjax.dispatch_plan)."""
+        dispatches and the steps they ran by kind (decode / spec / lite / lazy: specjax.dispatch_plan)."""
         a, st = self.alloc, self.sched.prefix
         return {
             "queue_length": len(self.sched.queue),
@@ -241,6 +245,8 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             **self.host.stats(),  # host seconds by phase (specjax.host_timing)
             **{f"{k}_dispatches": v for k, v in self.dispatches.items()},
             **{f"{k}_dispatch_steps": v for k, v in self.dispatched_steps.items()},
+            "catch_ups": self.catch_ups,  # prefill calls that brought lagging drafts up to date (engine_catchup)
+            "catch_up_tokens": self.catch_up_tokens,
             "held_back_steps": self.held_back,  # no dispatch: those in flight were expected to finish every row
             "admitted_ahead": self.admitted_ahead,  # slots given to queued requests before their rows' last read
             "admit_ahead_misses": self.admit_ahead_misses,  # of those, rows that had not finished (re-admitted)
@@ -356,6 +362,9 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             self._report(req)
         newest = None
         rows = self.sched.stepping()
+        if rows and self._lagging() and not self._runs_lazy(rows):
+            self._catch_up()  # the draft is read next: bring it up to date (reads every dispatch in flight)
+            rows = self.sched.stepping()
         if rows and self._hold_back(rows):
             rows = []  # read the dispatches in flight first: they are expected to finish every row
             self.held_back += 1
@@ -444,7 +453,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
                                                     fn, *args, **kw)
         self.host.add("dispatch", t0)
         entry = self._push(p.kind, out, trees, [(b, s, r) for b, (s, r) in enumerate(rows)], p.advance, p.sure)
-        entry.after_lite = p.kind == "spec" and self._last_kind == "lite"
+        entry.after_lite = p.kind == "spec" and self._last_kind in ("lite", "lazy")
         self._last_kind = p.kind
         return entry
 
@@ -462,7 +471,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         """A speculative row's fused steps in flight are expected to reach its max_tokens (its `sure`
         steps times its measured tokens per fused step; _hold_back, specjax.engine_ahead)."""
         kinds = {e.kind for e in self._pending}
-        if self.draft is None or "spec" not in kinds or "lite" in kinds:  # lite steps give one token each
+        if self.draft is None or "spec" not in kinds or kinds & {"lite", "lazy"}:  # those give one token each
             return False
         return req.accept_ema is not None and len(req.token_ids) + self.sched.sure[slot] * req.accept_ema >= req.max_len
 
@@ -478,11 +487,12 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
 
     def _decode_call(self, kind, K, rows, slots, active, mask, drafts, flags):
         """(program, arguments, static arguments) of a decode dispatch of K steps (K lite steps for
-        kind "lite"): a row that finishes stops changing state."""
+        kind "lite", K plain steps for "lazy"): a row that finishes stops changing state (lazy: as in
+        plain decoding, it runs to the dispatch's end and the host drops its tokens)."""
         if self.draft is not None:
             return self.spec_steps.step, (self.weights, self.draft_weights, self.state, self.samp, slots, active, mask,
                                           self._stop_rows(rows, len(slots)), drafts), \
-                dict(num_steps=K, lite=kind == "lite", **flags)
+                dict(num_steps=K, lite=kind in ("lite", "lazy"), lazy=kind == "lazy", **flags)
         return self.steps.decode_many, (self.weights, self.state, self.samp, slots, active, mask), \
             dict(num_steps=K, **flags)
 

@@ -33,6 +33,9 @@ class BatchOptions:
     speculate_below: int | None = None  # speculative engine: fused steps for batches of fewer rows than
     #                                     this, lite steps (plain decoding, the draft kept in sync) from
     #                                     this many rows on (specjax.dispatch_plan); None: always fused
+    lazy_draft: bool = True  # those lite steps are plain decoding's program and an EAGLE head's draft is
+    #                          brought up to date only when the batch shrinks (specjax.lazy_draft); False:
+    #                          lite steps keep the draft in sync (draft models and n-gram drafters always do)
 
     adaptive_steps: bool = False  # steps per dispatch halve (to a quarter) while the host waits for the
     #                               device and grow back while it does not (dispatch_plan.StepsCap): a

@@ -33,7 +33,7 @@ class ResultSteps:
         t0 = time.perf_counter()
         toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x).tolist()  # nested lists, once
                                      for x in (e.out.tokens, e.out.logprob, e.out.top_logprobs, e.out.top_ids))
-        counts = _as_rows(e.kind, e.out.num_accepted).tolist() if e.kind in ("spec", "lite") else None  # [B, K]
+        counts = _as_rows(e.kind, e.out.num_accepted).tolist() if e.kind in ("spec", "lite", "lazy") else None
         trees = None if e.trees is None else tuple(np.asarray(t) for t in e.trees)
         self.host.add("read", t0)
         return toks, lp, top_lp, top_ids, counts, trees
@@ -56,6 +56,8 @@ class ResultSteps:
                 ns = [n for n in counts[b] if n > 0]
             n = sum(ns)
             if self.sched.slots[slot] is req and req.epoch == epoch:  # host mirror of the device length
+                if e.kind == "lazy":  # its draft stays at the length before (specjax.engine_catchup)
+                    self._note_lag(slot, req, epoch, int(self.sched.lens[slot]))
                 self.sched.inflight[slot] -= e.advance
                 self.sched.sure[slot] -= e.sure
                 self.sched.lens[slot] += 0 if e.kind == "prefill" else n

@@ -182,7 +182,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
         res_s = _run(spec, ps, params)
         ts = time.perf_counter() - ts
         st1 = spec.engine.stats()
-        steps = {k: st1[f"{k}_dispatch_steps"] - st0[f"{k}_dispatch_steps"] for k in ("spec", "lite")}
+        steps = {k: st1[f"{k}_dispatch_steps"] - st0[f"{k}_dispatch_steps"] for k in ("spec", "lite", "lazy")}
         ok = [i for i, ((op, _), (os_, _)) in enumerate(zip(res_p, res_s))
               if op.finish_reason != "error" and os_.finish_reason != "error"]
         n_p = sum(len(res_p[i][0].token_ids) for i in ok)
@@ -196,7 +196,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
                    "steps_to_eos": sum(map(len, upto)),
                    "tau_per_prompt": [sum(a) / len(a) for a in acc if a],
                    "identical": sum(res_p[i][0].token_ids == res_s[i][0].token_ids for i in ok),
-                   "fused_steps": steps["spec"], "lite_steps": steps["lite"],
+                   "fused_steps": steps["spec"], "lite_steps": steps["lite"] + steps["lazy"],
                    "gate_probes": st1["gate_probes"] - st0["gate_probes"],
                    # request boundaries of the speculative run (specjax.engine_ahead, Engine._hold_back):
                    # slots given to the next request ahead, of those rows not finished (re-admitted), and

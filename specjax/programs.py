@@ -13,7 +13,8 @@ the device after every step so that a finished row stops changing state, the loo
 row has finished; with the static flag `lite`, K lite steps instead: step.spec_lite_step, a plain step
 that keeps the draft in sync, same call shape and output layout; K > 1 of them run the target's side
 only, step.spec_lite_target, and extend the draft over their K tokens once at the end,
-step.lite_draft_sync: one draft forward per dispatch instead of one per step) and split
+step.lite_draft_sync: one draft forward per dispatch instead of one per step; with `lazy` too, plain
+decoding's steps that leave an EAGLE head's draft behind: specjax.lazy_draft) and split
 (`verify` | `finish`) so that a grammar batch can compute its tree masks on the host while the target
 forward runs. `verify` donates the state and hands it back with the tree's K/V written (no copy of the
 cache); `finish` takes it with the logits and the masks. Plain decoding likewise:
@@ -49,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import decode, step as step_lib
+from specjax import decode, lazy_draft, step as step_lib
 from specjax import device_dfa as dfa_lib
 from specjax.kernels import Kernels
 from specjax.sampling import SamplingArrays
@@ -178,8 +179,9 @@ class SpecPrograms(NamedTuple):
     prefill: Callable  # (tw, dw, state, samp_all, rows: PrefillRows, samp, mask, drafts=None, *, ...)
     #                    -> (out, trees, state, samp_all)
     step: Callable  # fused, K steps: (tw, dw, state, samp_all, slots, active, mask, stop: StopRows, drafts=None,
-    #                 *, num_steps, lite=False, ...) -> (SpecOut with [K, B] fields, trees, state); a mask or
-    #                 grammar drafts need K == 1; lite: K lite steps (step.spec_lite_step), no mask
+    #                 *, num_steps, lite=False, lazy=False, ...) -> (SpecOut with [K, B] fields, trees, state);
+    #                 a mask or grammar drafts need K == 1; lite: K lite steps (step.spec_lite_step), no mask;
+    #                 lazy (with lite): K plain steps, the draft left behind (specjax.lazy_draft)
     verify: Callable  # (tw, state, slots, active) -> (logits, h, aux), state
     finish: Callable  # (tw, dw, state, verified, samp_all, slots, active, mask, drafts=None, *, ...)
     #                   -> (SpecOut with [1, B] fields, trees, state)
@@ -206,11 +208,12 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         return out, _trees(state, rows.slots), state, _put_rows(samp_all, rows.slots, samp)
 
     def fused(tw, dw, state, samp_all, slots, active, mask, stop, drafts=None, *, num_steps, want_logprobs,
-              stochastic, lite=False, dfa=False):
+              stochastic, lite=False, lazy=False, dfa=False):
         samp = _take_rows(samp_all, slots)
         rs = jnp.minimum(slots, state.cache.seq_lens.shape[0] - 1)
         assert (mask is None and drafts is None) or (num_steps == 1 and not lite), \
             "grammar masks / drafts: one fused step"
+        assert not lazy or (lite and lazy_draft.supports_lazy(info, spec)), "lazy: lite steps of an EAGLE head"
 
         def one(state, act):  # one fused (or lite) step; rows finished by it are inactive for the next ones
             if lite:
@@ -224,6 +227,13 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
 
         def live(state, act):  # a row dispatched again after its end (the host reads one step behind)
             return act & (state.cache.seq_lens[rs] < stop.limit)
+
+        if lazy:  # plain decoding's program, the draft left behind (specjax.lazy_draft); rows past their
+            # end at the dispatch's start stay put (the host reads one step behind)
+            act = active & (state.cache.seq_lens[rs] < stop.limit)
+            out, state = bound(lazy_draft.plain_steps, tw, dw, state, slots, act, samp, num_steps,
+                               want_logprobs=want_logprobs, stochastic=stochastic, dfa=dfa)
+            return out, _trees(state, slots), state
 
         # num_steps steps in a loop of static length: XLA on GPU reads a data-dependent loop
         # condition on the host every iteration (a sync that also breaks the command buffer), so the
@@ -278,7 +288,8 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
 
     jit = functools.partial(jax.jit, static_argnames=_STATIC)
     return SpecPrograms(prefill=jit(prefill, donate_argnums=(2, 3)),
-                        step=jax.jit(fused, donate_argnums=(2,), static_argnames=("num_steps", "lite") + _STATIC),
+                        step=jax.jit(fused, donate_argnums=(2,),
+                                     static_argnames=("num_steps", "lite", "lazy") + _STATIC),
                         verify=jax.jit(verify, donate_argnums=(1,)),
                         finish=jit(finish, donate_argnums=(2,))), tw0, dw0
 

@@ -101,7 +101,7 @@ def render_metrics(llm, state) -> str:
                     [({}, f"{s.spec_tokens / s.spec_steps:.4f}")])
     _ttft(out, s)
     if "steps_per_call_cap" in e:  # an Engine's stats (tests may render a few counters only)
-        kinds = ("decode", "spec", "lite")
+        kinds = ("decode", "spec", "lite", "lazy")
         _family(out, "specjax_decode_dispatches_total", "counter", "Decode dispatches (programs run) by kind.",
                 [({"kind": k}, e[f"{k}_dispatches"]) for k in kinds])
         _family(out, "specjax_decode_dispatch_steps_total", "counter",

@@ -20,7 +20,7 @@ from flax import nnx
 
 from helpers import IdTokenizer, tiny_config, tiny_model
 from specjax import programs as prog
-from specjax.decode import whole_prompts
+from specjax.decode import PrefillRows, whole_prompts
 from specjax.dispatch_plan import runs_lite
 from specjax.drafter import DraftInfo
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
@@ -51,18 +51,40 @@ def _engine(world, draft, **batch):
                   BatchOptions(max_batch=2, steps_per_call=2, spec_steps_per_call=2, **batch), jnp.float32, draft=draft)
 
 
+class _Spy(list):
+    lazy = 0  # lazy dispatches seen
+
+
+def _install_spy(eng, spy):
+    """Wrap eng's speculative step program: spy gets (lite, request ids) of every dispatch, spy.lazy
+    counts the lazy ones; a dispatch that reads the draft asserts every active row's draft in sync."""
+    step = eng.spec_steps.step
+    info = eng.draft.info
+
+    def spied(*a, **kw):  # (lite, the ids of the requests in the dispatch's slots)
+        slots = np.asarray(a[4]).tolist()
+        reqs = [eng.sched.slots[s] if s < len(eng.sched.slots) else None for s in slots]
+        if kw.get("lazy"):
+            spy.lazy += 1
+        elif info.has_model:
+            state = a[2]
+            dl, L = np.asarray(state.draft_seq_lens), np.asarray(state.cache.seq_lens)
+            for s, on in zip(slots, np.asarray(a[5]).tolist()):
+                if on and s < len(dl):
+                    assert dl[s] == L[s] + 1 - info.shift, (s, dl[s], L[s], kw)
+        spy.append((kw["lite"], [r.id for r in reqs if r is not None]))
+        return step(*a, **kw)
+    eng.spec_steps, eng._spied = eng.spec_steps._replace(step=spied), True
+
+
 def _run(eng, prompts, params, below=None, spy=None, arrivals=ARRIVALS):
     """Run the requests, adding request i at engine step arrivals[i]; speculate_below = below.
-    spy: a list that gets (lite, request ids) of every speculative dispatch."""
+    spy: a list that gets (lite, request ids) of every speculative dispatch; spy.lazy counts the
+    lazy ones (specjax.lazy_draft). A dispatch that reads the draft (not lazy) finds the draft of
+    every active row in sync (Ld = L + 1 - shift): lazy steps' lagging drafts were caught up."""
     eng.batch_opts = dataclasses.replace(eng.batch_opts, speculate_below=below)
     if spy is not None and not hasattr(eng, "_spied"):
-        step = eng.spec_steps.step
-
-        def spied(*a, **kw):  # (lite, the ids of the requests in the dispatch's slots)
-            reqs = [eng.sched.slots[s] if s < len(eng.sched.slots) else None for s in np.asarray(a[4]).tolist()]
-            spy.append((kw["lite"], [r.id for r in reqs if r is not None]))
-            return step(*a, **kw)
-        eng.spec_steps, eng._spied = eng.spec_steps._replace(step=spied), True
+        _install_spy(eng, spy)
     reqs = [Request(i, None, p, params[i], IdTokenizer(), (EOS,), MAX_SEQ, 11 + i) for i, p in enumerate(prompts)]
     t = 0
     while t <= max(arrivals) or eng.has_unfinished():
@@ -130,17 +152,24 @@ def _check_in_sync(spy, lens, per_call: int, full: int):
     return checked
 
 
-@pytest.mark.parametrize("kind", ["eagle3 tree", "self chain", "ngram tree", "eagle3 tree + ngram branch"])
+@pytest.mark.parametrize("kind", ["eagle3 tree", "eagle3 tree, synced lite", "eagle3 tree, gated", "self chain",
+                                  "ngram tree", "eagle3 tree + ngram branch"])
 def test_switching_equals_plain(world, plain, kind):
     """Threshold 2 (the batch crosses it both ways), 1 (lite steps only), 2 again and None (fused
     steps only): the outputs of plain decoding each time. Once warm (the third run) switching
-    compiles nothing; every run gives back every page and slot (_run)."""
+    compiles nothing; every run gives back every page and slot (_run). The EAGLE-3 head's lite
+    steps are lazy (plain decoding's program; its draft caught up before a dispatch reads it: _run
+    checks), or synced (BatchOptions.lazy_draft off); "gated": the acceptance gate's lite steps
+    (synced) for one row, lazy ones for two. The others keep their drafts in sync."""
     cfg, target, prompts = world
     params, want = plain
-    eng = _engine(world, _draft(cfg, target, kind))
+    opts = dict(lazy_draft="synced" not in kind)
+    if "gated" in kind:
+        opts.update(min_accept=100.0, probe_every=2)
+    eng = _engine(world, _draft(cfg, target, kind), **opts)
     if kind == "self chain":
         assert eng.state.draft_probs is not None  # the chain keeps sampled-draft proposals
-    spy = []
+    spy = _Spy()
 
     def outs(below):
         reqs = _run(eng, prompts, params, below=below, spy=spy)
@@ -152,8 +181,13 @@ def test_switching_equals_plain(world, plain, kind):
     kinds = [lite for lite, _ in spy]
     assert any(a and not b for a, b in zip(kinds, kinds[1:])) and any(b and not a for a, b in zip(kinds, kinds[1:]))
     st = eng.stats()
-    assert (st["lite_dispatches"], st["spec_dispatches"]) == (sum(kinds), len(kinds) - sum(kinds))
+    lazy = kind in ("eagle3 tree", "eagle3 tree, gated")
+    assert st["lazy_dispatches"] == spy.lazy and (spy.lazy > 0) == lazy
+    assert (st["lite_dispatches"] + st["lazy_dispatches"], st["spec_dispatches"]) == (sum(kinds), len(kinds) - sum(kinds))
     assert st["lite_dispatch_steps"] >= st["lite_dispatches"] and st["decode_dispatches"] == 0
+    assert (st["catch_ups"] > 0 and st["catch_up_tokens"] > 0) == lazy
+    if "gated" in kind:
+        assert st["gated_dispatches"] > 0 and st["lite_dispatches"] == st["gated_dispatches"]
     spy.clear()
     assert outs(1) == want
     assert spy and all(lite for lite, _ in spy)
@@ -235,7 +269,7 @@ def test_gate_equals_plain(world, plain, kind):
     cfg, target, prompts = world
     params, want = plain
     eng = _engine(world, _draft(cfg, target, kind), min_accept=100.0, probe_every=2)
-    spy = []
+    spy = _Spy()
     reqs = _run(eng, prompts, params, spy=spy)
     assert [(r.token_ids, r.finish_reason) for r in reqs] == want
     st = eng.stats()
@@ -369,23 +403,10 @@ def test_lite_dispatch_extends_the_draft_once(world, kind):
     cfg, target, prompts = world
     d = _draft(cfg, target, kind)
     progs, tw, dw = prog.spec_programs(d.info, d.spec, *nnx.split(target), *nnx.split(d.model))
-    slots_n, pps = 2, 8
+    slots_n = 2
 
     def fresh():
-        cache = init_cache(cfg, num_pages=1 + slots_n * pps, page_size=4, max_slots=slots_n, max_seq_len=4 * pps,
-                           dtype=jnp.float32)
-        cache.page_table = jnp.asarray(1 + np.arange(slots_n * pps, dtype=np.int32).reshape(slots_n, pps))
-        dkv = init_cache(d.kv_cfg, num_pages=1 + slots_n * pps, page_size=4, max_slots=slots_n,
-                         max_seq_len=4 * pps, dtype=jnp.float32).kv
-        state = init_spec_state(cache, dkv, d.spec, cfg.vocab_size)
-        P = [prompts[1][:11], prompts[2][:11]]
-        rows = whole_prompts(jnp.asarray(np.array(P, np.int32)), jnp.array([11, 11], jnp.int32),
-                             jnp.arange(2, dtype=jnp.int32))
-        samp = SamplingArrays(jnp.zeros(2, jnp.float32), jnp.ones(2, jnp.float32), jnp.zeros(2, jnp.int32),
-                              jnp.zeros(2, jnp.uint32))
-        _, _, state, samp_all = progs.prefill(tw, dw, state, prog.init_samp(slots_n), rows, samp, None,
-                                              want_logprobs=False, stochastic=False)
-        return state, samp_all
+        return _two_rows(cfg, d, progs, tw, dw, prompts)[1:]
 
     slots = jnp.array([0, 1, slots_n], jnp.int32)  # a padding row (out of range)
     active = jnp.array([True, True, False])
@@ -413,12 +434,105 @@ def test_lite_dispatch_extends_the_draft_once(world, kind):
         np.testing.assert_array_equal(np.asarray(getattr(once, name)), np.asarray(getattr(each, name)), name)
     np.testing.assert_array_equal(np.asarray(once.cache.seq_lens), np.asarray(each.cache.seq_lens))
     assert np.asarray(once.cache.seq_lens).tolist() == [14, 13]
-    pt = np.asarray(once.cache.page_table)
+    _same_kv(once, each)
+
+
+def _two_rows(cfg, d: Draft, progs, tw, dw, prompts, pps: int = 8):
+    """Two slots prefilled with 11-token prompts, greedy -> (first tokens [2], state, samp_all)."""
+    cache = init_cache(cfg, num_pages=1 + 2 * pps, page_size=4, max_slots=2, max_seq_len=4 * pps, dtype=jnp.float32)
+    cache.page_table = jnp.asarray(1 + np.arange(2 * pps, dtype=np.int32).reshape(2, pps))
+    dkv = init_cache(d.kv_cfg, num_pages=1 + 2 * pps, page_size=4, max_slots=2, max_seq_len=4 * pps,
+                     dtype=jnp.float32).kv
+    state = init_spec_state(cache, dkv, d.spec, cfg.vocab_size)
+    P = [prompts[1][:11], prompts[2][:11]]
+    rows = whole_prompts(jnp.asarray(np.array(P, np.int32)), jnp.array([11, 11], jnp.int32),
+                         jnp.arange(2, dtype=jnp.int32))
+    out, _, state, samp_all = progs.prefill(tw, dw, state, prog.init_samp(2), rows, _greedy(2), None,
+                                            want_logprobs=False, stochastic=False)
+    return np.asarray(out.tokens), state, samp_all
+
+
+def _greedy(B: int) -> SamplingArrays:
+    return SamplingArrays(jnp.zeros(B, jnp.float32), jnp.ones(B, jnp.float32), jnp.zeros(B, jnp.int32),
+                          jnp.zeros(B, jnp.uint32))
+
+
+def _same_kv(a, b):
+    """The draft's and the target's K/V of each slot below its length equal up to float32 rounding."""
+    pt = np.asarray(a.cache.page_table)
 
     def entries(kv, lens):  # each slot's entries below its length, through its page table
         return [np.asarray(layer)[pt[s, np.arange(n) // 4], np.arange(n) % 4] for layer in kv
                 for s, n in enumerate(np.asarray(lens).tolist())]
-    for a, b in zip(entries(once.draft_kv, once.draft_seq_lens), entries(each.draft_kv, each.draft_seq_lens)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    for a, b in zip(entries(once.cache.kv, once.cache.seq_lens), entries(each.cache.kv, each.cache.seq_lens)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for x, y in zip(entries(a.draft_kv, a.draft_seq_lens), entries(b.draft_kv, b.draft_seq_lens)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    for x, y in zip(entries(a.cache.kv, a.cache.seq_lens), entries(b.cache.kv, b.cache.seq_lens)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_lazy_steps_then_catch_up_equal_lite(world):
+    """K lazy steps (plain decoding's program on the speculative state: specjax.lazy_draft) give the
+    tokens, counts and histograms of K synced lite steps and leave the draft at the prompt's length;
+    the catch-up (a prefill piece that does not end the prompt: x_11 .. x_13 from 11, next token x_14)
+    then leaves the state the lite steps leave: lengths, draft lengths, trees (stale nodes kept, the
+    root the last token), the draft's and the target's K/V up to float32 rounding. A padding row
+    changes nothing; a lazy dispatch for another draft is refused."""
+    cfg, target, prompts = world
+    d = _draft(cfg, target, "eagle3 tree")
+    progs, tw, dw = prog.spec_programs(d.info, d.spec, *nnx.split(target), *nnx.split(d.model))
+    slots, active = jnp.array([0, 1, 2], jnp.int32), jnp.array([True, True, False])
+    stop = prog.no_stop(3)
+
+    def run(lazy):
+        first, state, samp_all = _two_rows(cfg, d, progs, tw, dw, prompts)
+        o, _, state = progs.step(tw, dw, state, samp_all, slots, active, None, stop, num_steps=3, lite=True,
+                                 lazy=lazy, want_logprobs=False, stochastic=False)
+        return first, jax.tree.map(np.asarray, o), state, samp_all
+
+    first, o_lite, lite, _ = run(False)
+    first_z, o_lazy, lazy, samp_all = run(True)
+    np.testing.assert_array_equal(first, first_z)
+    for name in ("tokens", "num_accepted", "accept_hist"):
+        np.testing.assert_array_equal(getattr(o_lazy, name), getattr(o_lite, name), name)
+    assert np.asarray(lazy.draft_seq_lens).tolist() == [11, 11] and np.asarray(lazy.cache.seq_lens).tolist() == [14, 14]
+    np.testing.assert_array_equal(np.asarray(lazy.tree_tokens), np.asarray(lite.tree_tokens))
+    toks = o_lazy.tokens[:, :2, 0].T  # [2, 3]: x_12 .. x_14
+    seq = np.concatenate([first[:, None], toks], axis=1)  # x_11 .. x_14
+    rows = PrefillRows(tokens=jnp.asarray(seq[:, :3].astype(np.int32)), start=jnp.array([11, 11], jnp.int32),
+                       lens=jnp.array([3, 3], jnp.int32), slots=jnp.array([0, 1], jnp.int32),
+                       final=jnp.array([False, False]), next_ids=jnp.asarray(seq[:, 3].astype(np.int32)))
+    _, _, caught, _ = progs.prefill(tw, dw, lazy, samp_all, rows, _greedy(2), None, want_logprobs=False,
+                                    stochastic=False)
+    for name in ("draft_seq_lens", "tree_tokens", "tree_parents", "tree_depth"):
+        np.testing.assert_array_equal(np.asarray(getattr(caught, name)), np.asarray(getattr(lite, name)), name)
+    np.testing.assert_array_equal(np.asarray(caught.cache.seq_lens), np.asarray(lite.cache.seq_lens))
+    _same_kv(caught, lite)
+    chain = _draft(cfg, target, "self chain")
+    progs_c, tw_c, dw_c = prog.spec_programs(chain.info, chain.spec, *nnx.split(target), *nnx.split(chain.model))
+    _, state_c, samp_c = _two_rows(cfg, chain, progs_c, tw_c, dw_c, prompts)
+    with pytest.raises(AssertionError, match="lazy"):
+        progs_c.step(tw_c, dw_c, state_c, samp_c, slots, active, None, stop, num_steps=3, lite=True, lazy=True,
+                     want_logprobs=False, stochastic=False)
+
+
+def test_lazy_drafts_under_preemption_and_arrivals():
+    """An EAGLE-3 head with lazy steps for batches of >= 3 rows: 16 greedy requests arriving in two
+    waves under a budget of 13 pages (the youngest preempted and recomputed, some while their drafts
+    lag; prefix caching on) give each request's output alone (one row: fused steps only), every
+    page and slot comes back (test_scheduler.run_arriving), and drafts were left behind and caught
+    up (before each fused dispatch every active row's draft is in sync: _install_spy's check)."""
+    from test_scheduler import MAX_SEQ as SEQ, check_preemption, make_models, preemption_items
+    from test_spec_eagle import random_head
+    cfg, target, _, _ = make_models()
+    head, ecfg = random_head(cfg, "eagle3", seed=3, draft_vocab=80, aux_layers=(0, 1, 2))
+    draft = Draft(head, ecfg.layer, DraftInfo("eagle3", ecfg.aux_layers),
+                  SpecConfig(method="eagle3", num_steps=3, topk=2, num_draft_tokens=5))
+    eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=SEQ),
+                 BatchOptions(max_batch=8, steps_per_call=4, speculate_below=3), jnp.float32, draft=draft)
+    spy = _Spy()
+    _install_spy(eng, spy)
+    check_preemption(eng, preemption_items(sampled=False))
+    st = eng.stats()
+    assert spy.lazy == st["lazy_dispatches"] and len(spy) - spy.lazy == st["spec_dispatches"]
+    assert st["lazy_dispatches"] > 0 and st["spec_dispatches"] > 0 and st["catch_ups"] > 0, st
+    assert not eng._lag or all(eng.sched.slots[s] is not r for s, (r, _, _) in eng._lag.items())

@@ -45,7 +45,8 @@ MIXED = [dict(regex=REGEXES[0]), dict(choice=["red", "green", "blue"]), {}, dict
          dict(grammar='root ::= "[" ("true" | "false") (", " ("true" | "false"))? "]"'), dict(regex=REGEXES[2]),
          dict(regex=REGEXES[3]), {}]
 DRAFTS = {"plain": None, "tree": ("other", 3, 2, 5), "self": ("self", 3, 1, 3),
-          "tree-ngram-branch": ("other", 3, 2, 5, 3)}  # + 3 n-gram nodes (SpecConfig.ngram_branch)
+          "tree-ngram-branch": ("other", 3, 2, 5, 3),  # + 3 n-gram nodes (SpecConfig.ngram_branch)
+          "eagle3": ("eagle3", 3, 2, 5)}  # a random EAGLE-3 head: lazy steps for large batches
 FORCED = r"KEY-fixed-text-then-more-fixed-text;[\s\S]*"  # a long fixed run, then anything
 
 
@@ -232,9 +233,15 @@ def engine(world, which, sched):
         d = None
         if draft is not None:
             who, k, topk, m, *branch = draft
-            model, mcfg = (target, cfg) if who == "self" else (other, dcfg)
-            d = Draft(model, mcfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=k, topk=topk,
-                                                                  num_draft_tokens=m, ngram_branch=sum(branch)))
+            if who == "eagle3":
+                from test_spec_eagle import random_head
+                head, ecfg = random_head(cfg, "eagle3", seed=3, draft_vocab=80, aux_layers=(0, 1, 2))
+                d = Draft(head, ecfg.layer, DraftInfo("eagle3", ecfg.aux_layers),
+                          SpecConfig(method="eagle3", num_steps=k, topk=topk, num_draft_tokens=m))
+            else:
+                model, mcfg = (target, cfg) if who == "self" else (other, dcfg)
+                d = Draft(model, mcfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=k, topk=topk,
+                                                                      num_draft_tokens=m, ngram_branch=sum(branch)))
         cache[which] = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ),
                               BatchOptions(max_batch=4, steps_per_call=4), jnp.float32, draft=d, grammar=compiler)
     eng = cache[which]
@@ -298,10 +305,11 @@ def test_device_dfa_equals_host_path(world, which, temperature):
         assert sum(r.finish_reason == "stop" for r in dev if r.dfa is not None) >= 3
 
 
-@pytest.mark.parametrize("which", ["plain", "tree"])
+@pytest.mark.parametrize("which", ["plain", "tree", "eagle3"])
 def test_dfa_batches_run_several_steps_per_dispatch(world, which):
     """Without host-grammar rows a DFA batch runs the multi-step programs (no host work per token)
-    and gives the host path's tokens."""
+    and gives the host path's tokens; so do lite steps (a draft model's, synced) and lazy ones (an
+    EAGLE-3 head's: plain decoding's program on the speculative state, specjax.lazy_draft)."""
     prompts = world[5][:4]
     cons = [dict(regex=REGEXES[3]), {}, dict(regex=r"[a-z ]{10,30}"), dict(regex=REGEXES[2])]
     eng = engine(world, which, SchedulerOptions(device_dfa=False))
@@ -317,14 +325,15 @@ def test_dfa_batches_run_several_steps_per_dispatch(world, which):
     steps = after[f"{kind}_dispatch_steps"] - before[f"{kind}_dispatch_steps"]
     assert steps > dispatches, (steps, dispatches)
     assert after["host_masks_s"] == before["host_masks_s"]  # no host mask work at all
-    if which == "tree":  # lite steps (plain steps keeping the draft in sync) follow the DFA too
+    if which != "plain":  # lite / lazy steps follow the DFA too
         opts = eng.batch_opts
         eng.batch_opts = dataclasses.replace(opts, speculate_below=2)
         try:
             lite = run(eng, prompts, cons, max_tokens=24)
         finally:
             eng.batch_opts = opts
-        assert outputs(lite) == outputs(host) and eng.stats()["lite_dispatches"] > after["lite_dispatches"]
+        lite_kind = "lazy" if which == "eagle3" else "lite"
+        assert outputs(lite) == outputs(host) and eng.stats()[f"{lite_kind}_dispatches"] > after[f"{lite_kind}_dispatches"]
 
 
 def test_drafts_follow_the_dfa(world):

@@ -1,0 +1,71 @@
+"""The engine's catch-up of drafts left behind by lazy steps (specjax.lazy_draft; dispatch kind
+"lazy": a speculative engine's batches of >= speculate_below rows with an EAGLE head).
+
+    results: the first lazy dispatch read for a request records its slot's draft length Ld (the
+      slot's length before that dispatch: the draft was in sync up to there) in `_lag`;
+    before a dispatch that reads the draft (fused, the gate's lite steps, grammar steps), i.e. any
+      decode dispatch that is not lazy, while a lazy dispatch was read or is in flight: every dispatch in
+      flight is read (the host then knows x_0 .. x_L of each row), and the rows are prefilled as
+      pieces that do not end their prompt (x_Ld .. x_{L-1} from Ld, next token x_L), a row's lag
+      split into chunks of at most prefill_chunk tokens, the pieces grouped into calls within
+      max_prefill_tokens like admissions (engine_prefill._prefill);
+    a request that finished, was cancelled or preempted (re-admission prefills the draft anew) is
+      dropped from `_lag` without work.
+
+Part of Engine (a mixin over its fields: sched, batch_opts, draft, _collect, _prefill)."""
+from __future__ import annotations
+
+from specjax import dispatch_plan
+from specjax.scheduler import Piece
+
+
+class CatchUpSteps:
+    """Engine's bookkeeping and catch-up of lagging drafts (module doc)."""
+
+    def _note_lag(self, slot: int, req, epoch: int, draft_len: int) -> None:
+        """A lazy dispatch of req (admission `epoch`) in `slot` was read; draft_len: the slot's length
+        before it. The first one since the draft was last in sync sets Ld."""
+        cur = self._lag.get(slot)
+        if cur is None or cur[0] is not req or cur[1] != epoch:
+            self._lag[slot] = (req, epoch, draft_len)
+
+    def _lagging(self) -> bool:
+        """Whether a draft may lag: a lazy dispatch read (`_lag`) or still in flight."""
+        return bool(self._lag) or any(e.kind == "lazy" for e in self._pending)
+
+    def _runs_lazy(self, rows) -> bool:
+        """Whether the next decode dispatch over rows [(slot, request)] is lazy (it reads no draft)."""
+        return (not any(r.grammar is not None for _, r in rows) and dispatch_plan.lazy_ok(self.draft, self.batch_opts)
+                and dispatch_plan.runs_lite(len(rows), self.batch_opts.speculate_below))
+
+    def _catch_up(self) -> None:
+        """Read every dispatch in flight, then extend the lagging drafts of running requests to their
+        slots' lengths (module doc)."""
+        self._collect()
+        todo = {}  # slot -> (request, the sequence x_0 .. x_L, Ld)
+        for slot, (req, epoch, ld) in self._lag.items():
+            if self.sched.slots[slot] is not req or req.epoch != epoch or req.finished:
+                continue
+            seq = req.prompt_ids + req.token_ids
+            L = int(self.sched.lens[slot])
+            assert len(seq) == L + 1 and 0 <= ld <= L, (slot, len(seq), L, ld)  # every dispatch was read
+            if ld < L:
+                todo[slot] = (req, seq, ld)
+        self._lag.clear()
+        budget, chunk = self.batch_opts.max_prefill_tokens, self.sched.chunk
+        while todo:
+            pieces, longest = [], 0
+            for slot, (req, seq, ld) in sorted(todo.items()):
+                n = min(len(seq) - 1 - ld, chunk)
+                if pieces and (len(pieces) + 1) * self.sched.prefill_len(max(longest, n)) > budget:
+                    break
+                pieces.append(Piece(slot, req, seq, ld, ld + n, first=False))  # not final: ends before x_L
+                longest = max(longest, n)
+            self._prefill(pieces)
+            self.catch_ups += 1
+            self.catch_up_tokens += sum(p.end - p.start for p in pieces)
+            for p in pieces:
+                if p.end == len(p.ids) - 1:
+                    del todo[p.slot]
+                else:
+                    todo[p.slot] = (p.req, p.ids, p.end)
