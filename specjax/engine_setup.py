@@ -9,6 +9,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from specjax import attention as attn_lib
+from specjax import dispatch_plan
 from specjax import kernels as kernels_lib
 from specjax.kernels import KV_COMPACT_CHOICES, Kernels, choose_kv_compact, compact_shapes
 from specjax.scheduler import bucket
@@ -42,8 +43,10 @@ class SetupChoices:
             mode = f"plain decoding ({b.steps_per_call} steps per dispatch)"
         else:
             s = self.draft.spec
+            lazy = dispatch_plan.lazy_ok(self.draft, b)
             lite = ("always fused steps" if b.speculate_below is None else
-                    f"lite steps (plain, the draft kept in sync) for batches of >= {b.speculate_below} rows")
+                    ("lazy steps (plain decoding's program, the draft caught up when read again)" if lazy else
+                     "lite steps (plain, the draft kept in sync)") + f" for batches of >= {b.speculate_below} rows")
             mode = (f"speculative ({self.draft.info.method}: num_steps={s.num_steps} topk={s.topk} "
                     f"num_draft_tokens={s.num_draft_tokens}"
                     + (f" ngram_branch={s.ngram_branch}" if s.ngram_branch else "")

@@ -88,7 +88,7 @@ def resolve_speculate_below(value, draft) -> int | None:
         from specjax.checkpoint import head_speculate_below
         below = head_speculate_below(draft)
         if below is not None:
-            log.info("speculation: lite steps for batches of >= %d rows (the draft's spec_defaults: plain decoding "
+            log.info("speculation: plain steps for batches of >= %d rows (the draft's spec_defaults: plain decoding "
                      "measured faster from batch %d on)", below, below)
         return below
     check_speculate_below(value)  # before any weights are loaded

@@ -251,7 +251,8 @@ def test_cli_speculate_uses_the_shipped_head(llm, tmp_path, monkeypatch, caplog)
     assert got["accept_len_mean"] >= 1.0
     assert "num_steps=3 topk=2 num_draft_tokens=5 (the draft's spec_defaults for batch 1)" in caplog.text
     assert "speculative (eagle3: num_steps=3 topk=2 num_draft_tokens=5" in caplog.text  # the engine runs it
-    assert "lite steps (plain, the draft kept in sync) for batches of >= 16 rows" in caplog.text  # "plain" from 16
+    assert "lazy steps (plain decoding's program, the draft caught up when read again) for batches of >= 16 rows" \
+        in caplog.text  # "plain" from 16; an EAGLE head's plain steps leave its draft behind
 
 
 def test_head_spec_defaults(tmp_path):
@@ -304,9 +305,10 @@ def test_measurement_note(tmp_path):
 
 def test_shipped_head_records_its_measurement():
     from specjax.assets import DEFAULT_HEAD_DIR
-    from specjax.checkpoint import head_speculate_below, measurement_note, read_meta
+    from specjax.checkpoint import head_spec_defaults, head_speculate_below, measurement_note, read_meta
     assert read_meta(DEFAULT_HEAD_DIR)["spec_defaults_measured"]["attention"] == "mosaic_gpu"
-    assert head_speculate_below(DEFAULT_HEAD_DIR) == 32
+    assert head_speculate_below(DEFAULT_HEAD_DIR) is None  # measured to pay up to batch 64 (session 29)
+    assert head_spec_defaults(DEFAULT_HEAD_DIR, 64) == ({"num_steps": 4, "topk": 2, "num_draft_tokens": 8}, 32)
     assert "runs reference" in measurement_note(DEFAULT_HEAD_DIR, "reference")
 
 
