@@ -1,7 +1,7 @@
 """Adaptive speculation (BatchOptions.speculate_below, specjax.dispatch_plan): a speculative engine
 runs lite steps (step.spec_lite_step: plain decoding that keeps the draft in sync) for batches of
 >= speculate_below rows and fused steps below. Requests arriving and finishing over time move the
-batch across the threshold both ways: greedy float32 outputs equal plain decoding token for token
+batch across the threshold both ways: greedy float32 outputs (and logprobs) equal plain decoding token for token
 (EAGLE-3 tree, the target as its own chain draft (a chain keeps sampled-draft proposals), the n-gram
 drafter; penalties, stop ids, max_tokens), also with lite steps only; the draft stays in sync (the
 self-drafting chain accepts every token again after the first fused step that follows lite steps);
@@ -536,3 +536,26 @@ def test_lazy_drafts_under_preemption_and_arrivals():
     assert spy.lazy == st["lazy_dispatches"] and len(spy) - spy.lazy == st["spec_dispatches"]
     assert st["lazy_dispatches"] > 0 and st["spec_dispatches"] > 0 and st["catch_ups"] > 0, st
     assert not eng._lag or all(eng.sched.slots[s] is not r for s, (r, _, _) in eng._lag.items())
+
+
+def test_lazy_steps_give_plain_logprobs(world):
+    """Logprobs through lazy steps (the plain program's, widened to the fused layout) and synced lite
+    steps equal plain decoding's: the same tokens, top ids, and logprobs to float32 rounding (greedy;
+    two requests, so every dispatch of the speculative engines is a lazy / lite one)."""
+    cfg, target, prompts = world
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3) for _ in range(2)]
+
+    def run(draft, **opts):
+        eng = _engine(world, draft, **opts)
+        reqs = _run(eng, prompts[:2], params, below=1 if draft is not None else None, arrivals=(0, 0))
+        return eng.stats(), [(r.token_ids, r.logprobs) for r in reqs]
+    _, want = run(None)
+    d = _draft(cfg, target, "eagle3 tree")
+    for lazy in (True, False):
+        st, got = run(d, lazy_draft=lazy)
+        assert st["lazy_dispatches" if lazy else "lite_dispatches"] > 0 and st["spec_dispatches"] == 0
+        for (t, lps), (t0, lps0) in zip(got, want):
+            assert t == t0 and len(lps) == len(lps0) == 10
+            for e, e0 in zip(lps, lps0):
+                assert list(e) == list(e0)  # the token, then its top ids in order
+                np.testing.assert_allclose(list(e.values()), list(e0.values()), rtol=1e-5, atol=1e-5)
