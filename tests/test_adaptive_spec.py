@@ -5,9 +5,13 @@ batch across the threshold both ways: greedy float32 outputs (and logprobs) equa
 (EAGLE-3 tree, the target as its own chain draft (a chain keeps sampled-draft proposals), the n-gram
 drafter; penalties, stop ids, max_tokens), also with lite steps only; the draft stays in sync (the
 self-drafting chain accepts every token again after the first fused step that follows lite steps);
-the switches compile nothing once warm and leak no page or slot. Sampling: the joint law of the first three tokens through a
-lite step and then a fused step verifying the stale tree equals the exact law (chi-square), and the
-same check rejects a stale tree verified against proposals it was not drawn from."""
+the switches compile nothing once warm and leak no page or slot. An EAGLE-3 head's plain steps are
+lazy (specjax.lazy_draft: plain decoding's program, the draft caught up before a dispatch reads it):
+every dispatch that reads the draft finds it in sync, K lazy steps and the catch-up leave the state
+of K lite steps, also under preemption with arrivals. Sampling: the joint law of the first three
+tokens through a lite (or lazy + catch-up) step and then a fused step verifying the stale tree equals
+the exact law (chi-square), and the same check rejects a stale tree verified against proposals it was
+not drawn from."""
 from __future__ import annotations
 
 import dataclasses
@@ -324,17 +328,19 @@ V = 6
 ROWS = 3000
 
 
-def _lite_then_fused(cfg, target, draft, spec, temperature, top_p):
-    """First three tokens of ROWS requests: prefill (token 1), a lite step (token 2), a fused step
+def _lite_then_fused(cfg, target, draft, spec, temperature, top_p, info=DraftInfo("draft"), kv_cfg=None,
+                     lazy=False):
+    """First three tokens of ROWS requests: prefill (token 1), a lite step (token 2; lazy: a lazy step,
+    then the catch-up piece x_P from P with next token x_{P+1}: specjax.lazy_draft), a fused step
     verifying the stale tree (token 3 on); then again from the same lite step with the stale nodes'
     proposals corrupted (node 1's and node 2's swapped: not what they were drawn from). Through the
     engine's programs. -> (first3, the fused step's num_accepted [ROWS], first3 corrupted)."""
-    progs, tw, dw = prog.spec_programs(DraftInfo("draft"), spec, *nnx.split(target), *nnx.split(draft))
+    progs, tw, dw = prog.spec_programs(info, spec, *nnx.split(target), *nnx.split(draft))
     pps = 8
     cache = init_cache(cfg, num_pages=1 + ROWS * pps, page_size=4, max_slots=ROWS, max_seq_len=4 * pps,
                        dtype=jnp.float32)
     cache.page_table = jnp.asarray(1 + np.arange(ROWS * pps, dtype=np.int32).reshape(ROWS, pps))
-    dkv = init_cache(cfg, num_pages=1 + ROWS * pps, page_size=4, max_slots=ROWS, max_seq_len=4 * pps,
+    dkv = init_cache(kv_cfg or cfg, num_pages=1 + ROWS * pps, page_size=4, max_slots=ROWS, max_seq_len=4 * pps,
                      dtype=jnp.float32).kv
     state = init_spec_state(cache, dkv, spec, V)
     samp = SamplingArrays(temperature=jnp.full((ROWS,), temperature, jnp.float32),
@@ -348,15 +354,24 @@ def _lite_then_fused(cfg, target, draft, spec, temperature, top_p):
                                             want_logprobs=False, stochastic=True)
     active, stop = jnp.ones((ROWS,), bool), prog.no_stop(ROWS)
 
-    def step(state, lite):
+    def step(state, lite, lazy=False):
         o, _, state = progs.step(tw, dw, state, samp_all, slots, active, None, stop, num_steps=1, lite=lite,
-                                 want_logprobs=False, stochastic=True)
+                                 lazy=lazy, want_logprobs=False, stochastic=True)
         t, n = np.asarray(o.tokens)[0], np.asarray(o.num_accepted)[0]  # [ROWS, S + 1], [ROWS]
         assert ((t >= 0) == (np.arange(t.shape[1])[None] < n[:, None])).all()
         assert (n == 1).all() if lite else (n >= 1).all()
         return t, n, state
 
-    t2, _, state = step(state, True)
+    t2, _, state = step(state, True, lazy)
+    if lazy:  # the draft caught up over x_P (the first token), the next one x_{P+1}
+        P = len(PROMPT)
+        assert (np.asarray(state.draft_seq_lens) == P).all() and (np.asarray(state.cache.seq_lens) == P + 1).all()
+        piece = PrefillRows(tokens=out.tokens[:, None], start=jnp.full((ROWS,), P, jnp.int32),
+                            lens=jnp.ones((ROWS,), jnp.int32), slots=slots, final=jnp.zeros((ROWS,), bool),
+                            next_ids=jnp.asarray(t2[:, 0]))
+        _, _, state, samp_all = progs.prefill(tw, dw, state, samp_all, piece, samp, None, want_logprobs=False,
+                                              stochastic=True)
+        assert (np.asarray(state.draft_seq_lens) == P + 1).all()
     q = state.draft_probs  # [ROWS, N, V]
     q = q.at[:, 1].set(q[:, 2]).at[:, 2].set(q[:, 1])
     swapped = jax.tree.map(jnp.copy, dataclasses.replace(state, draft_probs=q))  # a copy: `state` is donated
@@ -386,6 +401,24 @@ def test_lite_then_fused_sampling_law(small):
     cfg, target, other = small
     law = _exact_law(cfg, target, 0.9, 0.9)
     first3, n, corrupted = _lite_then_fused(cfg, target, other, SpecConfig(method="draft", num_steps=2), 0.9, 0.9)
+    pval, stat, dof = _chi2_pvalue(_counts(first3), law)
+    assert pval > 1e-3, (pval, stat, dof)
+    assert (n >= 2).mean() > 0.05  # stale drafts do get accepted: their proposals matter
+    pval, _, _ = _chi2_pvalue(_counts(corrupted), law)
+    assert pval < 1e-6
+
+
+def test_lazy_then_fused_sampling_law(small):
+    """An EAGLE-3 head's sampled chain (its proposals kept): tokens 1 - 3 from prefill, a lazy step
+    (plain decoding's sampling), the catch-up and the fused step that verifies the stale chain follow
+    the exact law; with the stale proposals swapped the same check rejects."""
+    from test_spec_eagle import random_head
+    from test_spec_sampling import _chi2_pvalue, _counts, _exact_law
+    cfg, target, _ = small
+    head, ecfg = random_head(cfg, "eagle3", seed=5, aux_layers=(0, 1, 2))
+    law = _exact_law(cfg, target, 0.9, 0.9)
+    first3, n, corrupted = _lite_then_fused(cfg, target, head, SpecConfig(method="eagle3", num_steps=2), 0.9, 0.9,
+                                            info=DraftInfo("eagle3", ecfg.aux_layers), kv_cfg=ecfg.layer, lazy=True)
     pval, stat, dof = _chi2_pvalue(_counts(first3), law)
     assert pval > 1e-3, (pval, stat, dof)
     assert (n >= 2).mean() > 0.05  # stale drafts do get accepted: their proposals matter
