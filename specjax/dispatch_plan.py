@@ -116,6 +116,12 @@ def lazy_ok(draft, batch_opts) -> bool:
     return batch_opts.lazy_draft and draft is not None and supports_lazy(draft.info, draft.spec)
 
 
+def runs_lazy(n_rows: int, grammar: bool, draft, batch_opts) -> bool:
+    """Whether a decode dispatch over n_rows rows is "lazy" (it reads no draft): the one rule for
+    plan() and the engine's catch-up (specjax.engine_catchup)."""
+    return not grammar and runs_lite(n_rows, batch_opts.speculate_below) and lazy_ok(draft, batch_opts)
+
+
 def _work_steps(rows, steps_per_call: int) -> int:
     """steps_per_call, bucketed by the most tokens a row still needs."""
     return min(steps_per_call, bucket(max(r.max_len - len(r.token_ids) for _, r in rows), 1, steps_per_call))
@@ -144,7 +150,7 @@ def plan(rows, grammar: bool, batch_opts, sched: Scheduler, draft=None, lookahea
     last = (batch_opts.steps_per_call, batch_opts.spec_steps_per_call)
     if draft is None:
         kind = "decode"
-    elif not grammar and runs_lite(len(rows), batch_opts.speculate_below) and lazy_ok(draft, batch_opts):
+    elif runs_lazy(len(rows), grammar, draft, batch_opts):
         kind = "lazy"
     elif not grammar and (gated or runs_lite(len(rows), batch_opts.speculate_below)):
         kind = "lite"

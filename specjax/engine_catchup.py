@@ -10,7 +10,7 @@
       split into chunks of at most prefill_chunk tokens, the pieces grouped into calls within
       max_prefill_tokens like admissions (engine_prefill._prefill);
     a request that finished, was cancelled or preempted (re-admission prefills the draft anew) is
-      dropped from `_lag` without work.
+      dropped from `_lag` without work (`_lagging`).
 
 Part of Engine (a mixin over its fields: sched, batch_opts, draft, _collect, _prefill)."""
 from __future__ import annotations
@@ -30,22 +30,26 @@ class CatchUpSteps:
             self._lag[slot] = (req, epoch, draft_len)
 
     def _lagging(self) -> bool:
-        """Whether a draft may lag: a lazy dispatch read (`_lag`) or still in flight."""
+        """Whether a draft may lag: a lazy dispatch still in flight, or one read for a request still in
+        its slot (entries of requests that finished, were cancelled or preempted are dropped here, so
+        they never cost a catch-up's read of the dispatches in flight)."""
+        if self._lag:
+            self._lag = {s: v for s, v in self._lag.items()
+                         if self.sched.slots[s] is v[0] and v[0].epoch == v[1] and not v[0].finished}
         return bool(self._lag) or any(e.kind == "lazy" for e in self._pending)
 
     def _runs_lazy(self, rows) -> bool:
         """Whether the next decode dispatch over rows [(slot, request)] is lazy (it reads no draft)."""
-        return (not any(r.grammar is not None for _, r in rows) and dispatch_plan.lazy_ok(self.draft, self.batch_opts)
-                and dispatch_plan.runs_lite(len(rows), self.batch_opts.speculate_below))
+        return dispatch_plan.runs_lazy(len(rows), any(r.grammar is not None for _, r in rows), self.draft,
+                                       self.batch_opts)
 
     def _catch_up(self) -> None:
         """Read every dispatch in flight, then extend the lagging drafts of running requests to their
         slots' lengths (module doc)."""
         self._collect()
+        self._lagging()  # drops the entries of requests gone meanwhile
         todo = {}  # slot -> (request, the sequence x_0 .. x_L, Ld)
-        for slot, (req, epoch, ld) in self._lag.items():
-            if self.sched.slots[slot] is not req or req.epoch != epoch or req.finished:
-                continue
+        for slot, (req, _, ld) in self._lag.items():
             seq = req.prompt_ids + req.token_ids
             L = int(self.sched.lens[slot])
             assert len(seq) == L + 1 and 0 <= ld <= L, (slot, len(seq), L, ld)  # every dispatch was read
