@@ -104,10 +104,10 @@ class BackgroundCompiles:
                             key, type(e).__name__, e)
                 ok = False
             dt = time.perf_counter() - t0
+            self._done.put((key, ok))  # before the counts: once wait() sees none pending, finished() has it
             if ok:
+                log.info("background compile of %s: %.3f s", key, dt)
                 self.seconds += dt
                 self.count += 1
-                log.info("background compile of %s: %.3f s", key, dt)
             else:
                 self.failed += 1
-            self._done.put((key, ok))
