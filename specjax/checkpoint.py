@@ -129,6 +129,15 @@ def head_spec_defaults(draft_dir: str | Path, batch: int) -> tuple[dict, int] | 
     return trees[b], b
 
 
+def head_spec_tiers(draft_dir: str | Path, max_batch: int) -> list[tuple[int, dict]]:
+    """The tree shapes a draft directory recommends by batch up to max_batch: its spec_defaults' tree
+    entries of batches <= max_batch (the smallest one's bound taken as 1 row) -> [(min_rows,
+    SpecConfig keyword arguments)] ascending (specjax.spec_tiers), [] without measurements."""
+    trees = sorted((b, v) for b, v in (_spec_table(draft_dir) or {}).items() if v != PLAIN)
+    fit = [(b, v) for b, v in trees if b <= max_batch] or trees[:1]
+    return [(1 if i == 0 else b, v) for i, (b, v) in enumerate(fit)]
+
+
 def head_min_accept(draft_dir: str | Path, batch: int) -> float | None:
     """The break-even acceptance a draft directory's measurements give for `batch` rows: "min_accept"
     of the spec_defaults tree entry head_spec_defaults picks (tokens per fused step below which its

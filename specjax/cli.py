@@ -188,6 +188,10 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                    "unless the draft's spec_defaults say otherwise)")
     g.add_argument("--num-draft-tokens", type=positive_int, default=None,
                    help="draft tree size (default: --num-steps for a chain, else num-steps * topk)")
+    g.add_argument("--spec-tiers", action="store_true",
+                   help="speculative decoding: each step runs the tree shape the draft's spec_defaults give for "
+                   "the batch running now, not the one for --max-batch (lossless; measured no faster on an "
+                   "H200 with the shipped head, so off by default)")
     g.add_argument("--speculate-below", type=speculate_below_arg, default="auto", metavar="N",
                    help="speculative decoding: batches of N or more requests run plain steps that keep the draft "
                    "in sync (lossless switching; for batches where verifying trees costs more than it gains); "
@@ -261,6 +265,10 @@ def check_model_arguments(a) -> None:
         raise UsageError("--min-accept applies to speculative decoding: give --speculate or --draft")
     if a.draft is None and a.ngram_branch:
         raise UsageError("--ngram-branch adds to a draft's tree: give --speculate or --draft")
+    if getattr(a, "spec_tiers", False) and (a.draft is None or a.num_steps or a.topk or a.num_draft_tokens
+                                           or a.ngram_branch):
+        raise UsageError("--spec-tiers runs the shapes of a draft's spec_defaults: give --speculate or --draft, "
+                         "without --num-steps / --topk / --num-draft-tokens / --ngram-branch")
     if a.draft is not None:
         from specjax.llm import draft_method
         from specjax.tree import SpecConfig
@@ -295,7 +303,8 @@ def llm_from_args(a, **more):
                prefill_chunk=a.prefill_chunk, steps_per_call=a.steps_per_call,
                spec_steps_per_call=a.spec_steps_per_call,
                speculate_below=a.speculate_below if a.draft is not None else "auto",
-               min_accept=a.min_accept if a.draft is not None else "auto", **more)
+               min_accept=a.min_accept if a.draft is not None else "auto",
+               spec_tiers=getattr(a, "spec_tiers", False), **more)
 
 
 # ----------------------------------------------------------------------------- generate

@@ -53,6 +53,8 @@ class PrefillRows:
     slots: jax.Array  # [B] int32
     final: jax.Array  # [B] bool the prompt ends here: sample the first output token
     next_ids: jax.Array  # [B] int32 the prompt token after a non-final piece (a shifted draft reads it)
+    regrow: jax.Array | None = None  # [B] bool a non-final piece ending before the slot's last token x_L
+    #   (= next_ids): a speculative prefill grows a new tree rooted at it (specjax.spec_tiers); None: none
 
 
 def whole_prompts(tokens, lens, slots) -> PrefillRows:

@@ -135,7 +135,7 @@ def _steps(kind: str, rows, grammar: bool, caps: tuple[int, int]) -> int:
 
 
 def plan(rows, grammar: bool, batch_opts, sched: Scheduler, draft=None, lookahead: int = 0,
-         gated: bool = False, caps: list[tuple[int, int]] | None = None, ready=None) -> DispatchPlan:
+         gated: bool = False, caps: list[tuple[int, int]] | None = None, ready=None, spec=None) -> DispatchPlan:
     """The next decode dispatch over rows [(slot, request)]; takes the pages of K > 1 steps from the
     scheduler (the caller pushes the page table when it changed). draft: the engine's Draft (None:
     plain decoding); lookahead: entries one fused step touches past a slot's length (step.lookahead,
@@ -145,7 +145,7 @@ def plan(rows, grammar: bool, batch_opts, sched: Scheduler, draft=None, lookahea
     spec_steps_per_call); ready(kind, K): whether the program of K steps is compiled for these rows
     (None: all are). The first cap whose K is ready is taken; none: the configured steps (compiled
     on first use, as with a fixed K); `wanted` is the first cap's K when it was not taken (the caller
-    compiles it elsewhere)."""
+    compiles it elsewhere); spec: the tree shape the dispatch runs (None: the draft's)."""
     slots = [s for s, _ in rows]
     last = (batch_opts.steps_per_call, batch_opts.spec_steps_per_call)
     if draft is None:
@@ -167,7 +167,7 @@ def plan(rows, grammar: bool, batch_opts, sched: Scheduler, draft=None, lookahea
         if extra > 0 and not sched.ensure_extra(slots, extra):
             K = 1
         return DispatchPlan(kind, K, K, K, wanted)
-    per_step = draft.spec.num_steps + 1
+    per_step = (spec or draft.spec).num_steps + 1
     if K > 1 and not sched.ensure_extra(slots, (K - 1) * per_step):
         K = 1
     return DispatchPlan("spec", K, K * per_step, K, wanted)

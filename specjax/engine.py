@@ -131,10 +131,11 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             tail = self.lookahead = 0
         else:
             from specjax import step
-            self.lookahead = step.lookahead(draft.spec, draft.info)
+            specs = draft.spec, *(() if draft.tiers is None else draft.tiers.specs)
+            self.lookahead = max(step.lookahead(s, draft.info) for s in specs)
             # one fused step; a dispatch runs up to K of them when the pages for K steps are free
             # (specjax.dispatch_plan), so pages are reserved (and requests admitted) for one step
-            ahead, advance = self.lookahead, draft.spec.num_steps + 1
+            ahead, advance = self.lookahead, max(s.num_steps for s in specs) + 1
             # a speculative step writes up to `lookahead` entries past a slot's length, also at the end
             # of the context: slots address max_seq_len + lookahead entries (specjax.scheduler, "Capacity")
             tail = self.lookahead
@@ -150,8 +151,12 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             self.steps, self.weights = prog.plain_programs(*nnx.split(model))
         else:
             dsplit = (None, None) if draft.model is None else nnx.split(draft.model)  # None: n-gram, no model
-            self.spec_steps, self.weights, self.draft_weights = prog.spec_programs(
-                draft.info, draft.spec, *nnx.split(model), *dsplit, kernels=self.kernels)
+            tiers = (draft.spec,) if draft.tiers is None else draft.tiers.specs
+            N = max(s.num_nodes for s in tiers)
+            built = [prog.spec_programs(draft.info, s, *nnx.split(model), *dsplit, kernels=self.kernels, num_nodes=N)
+                     for s in tiers]  # one program set per tree shape (specjax.spec_tiers)
+            self._tier_steps = [b[0] for b in built]
+            self.weights, self.draft_weights = built[0][1:]
         slot_len = self.sched.capacity  # cache entries one slot addresses
 
         def make_state():
@@ -164,7 +169,8 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             dkv = [] if draft.kv_cfg is None else init_cache(
                 draft.kv_cfg, num_pages=num_pages, page_size=cache_opts.page_size, max_slots=batch_opts.max_batch,
                 max_seq_len=slot_len, dtype=dtype).kv
-            return init_spec_state(cache, dkv, draft.spec, cfg.vocab_size)
+            return init_spec_state(cache, dkv, draft.spec, cfg.vocab_size,
+                                   tiers=() if draft.tiers is None else draft.tiers.specs)
 
         self.samp: SamplingArrays = prog.init_samp(batch_opts.max_batch)  # per slot, on the device
         if mesh is None:  # committed, as the programs' outputs are: later calls hit the same executables
@@ -187,6 +193,9 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         self.gate = AcceptanceGate()  # lite or fused steps by measured acceptance (BatchOptions.min_accept)
         self._last_kind = None  # the kind of the last decode dispatch
         self._lag = {}  # slot -> (request, epoch, draft length) of drafts left behind (specjax.engine_catchup)
+        self.tier = 0  # the tree shape the dispatches run (draft.tiers; specjax.spec_tiers)
+        self._tree_tier = np.zeros(batch_opts.max_batch, np.int32)  # per slot: the tier its tree was grown by
+        self.tier_switches = self.regrown = 0  # tier changes; rows given a new tree by one
         self.catch_ups = self.catch_up_tokens = 0  # their catch-up prefill calls and tokens
         self.held_back = 0  # steps that read the dispatches in flight instead of dispatching (_hold_back)
         self.admitted_ahead = self.admit_ahead_misses = 0
@@ -203,6 +212,20 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         return tree  # sharded state is created committed (sharding.create_sharded)
 
     # -- views ------------------------------------------------------------------------------
+    @property
+    def spec(self):
+        """The tree shape of the current tier (a speculative engine)."""
+        return self.draft.spec if self.draft.tiers is None else self.draft.tiers.specs[self.tier]
+
+    @property
+    def spec_steps(self) -> prog.SpecPrograms:
+        """The speculative programs of the current tier."""
+        return self._tier_steps[self.tier]
+
+    @spec_steps.setter
+    def spec_steps(self, programs: prog.SpecPrograms) -> None:  # tests wrap the programs they watch
+        self._tier_steps[self.tier] = programs
+
     @property
     def slots(self) -> list[Request | None]:
         return self.sched.slots
@@ -247,6 +270,9 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             **{f"{k}_dispatch_steps": v for k, v in self.dispatched_steps.items()},
             "catch_ups": self.catch_ups,  # prefill calls that brought lagging drafts up to date (engine_catchup)
             "catch_up_tokens": self.catch_up_tokens,
+            "spec_tier": self.tier,  # the tree shape running now, by the batch (specjax.spec_tiers)
+            "tier_switches": self.tier_switches,
+            "regrown_trees": self.regrown,  # rows given a new tree by a tier switch
             "held_back_steps": self.held_back,  # no dispatch: those in flight were expected to finish every row
             "admitted_ahead": self.admitted_ahead,  # slots given to queued requests before their rows' last read
             "admit_ahead_misses": self.admit_ahead_misses,  # of those, rows that had not finished (re-admitted)
@@ -349,6 +375,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         released = self._release_ahead()  # rows expected to finish in flight: their slots to the queue now
         pieces = self.sched.plan_prefill()
         if pieces:
+            self._pick_tier(sum(r is not None for r in self.sched.slots))  # admitted with the shape they will run
             self._prefill(pieces)
         elif self.sched.queue and not self.sched.running():  # an empty cache and still no room
             req = self.sched.queue.popleft()
@@ -362,9 +389,12 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             self._report(req)
         newest = None
         rows = self.sched.stepping()
-        if rows and self._lagging() and not self._runs_lazy(rows):
-            self._catch_up()  # the draft is read next: bring it up to date (reads every dispatch in flight)
-            rows = self.sched.stepping()
+        if rows and not self._runs_lazy(rows):  # the draft is read next: bring it up to date, with new
+            # trees where the tier changed (reads every dispatch in flight)
+            regrow = self._pick_tier(len(rows), rows)
+            if self._lagging() or regrow:
+                self._catch_up(regrow)
+                rows = self.sched.stepping()
         if rows and self._hold_back(rows):
             rows = []  # read the dispatches in flight first: they are expected to finish every row
             self.held_back += 1
@@ -437,7 +467,8 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             return self.shapes.find(self._decode_key(kind, K, flags), rows_b(kind)) is not None
 
         p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated,
-                               caps=self.steps_cap.chain(b), ready=ready)
+                               caps=self.steps_cap.chain(b), ready=ready,
+                               spec=None if self.draft is None else self.spec)
         if p.wanted is not None:  # the adapted K's program is compiled off the engine thread meanwhile
             self._compile_later(p.kind, p.wanted, rows, flags)
         if grammar:
@@ -480,10 +511,9 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         speculative steps; 2 otherwise: an M = 1 matmul is slow on the GPU, see BatchOptions)."""
         return self.batch_opts.fused_min_rows if kind == "spec" else 2
 
-    @staticmethod
-    def _decode_key(kind: str, K: int, flags: dict) -> tuple:
-        """The ShapeReuse key of a decode program family (its static arguments)."""
-        return ("decode", kind, K, *flags.values())
+    def _decode_key(self, kind: str, K: int, flags: dict) -> tuple:
+        """The ShapeReuse key of a decode program family (its static arguments, its tier)."""
+        return ("decode", kind, K, self.tier, *flags.values())
 
     def _decode_call(self, kind, K, rows, slots, active, mask, drafts, flags):
         """(program, arguments, static arguments) of a decode dispatch of K steps (K lite steps for

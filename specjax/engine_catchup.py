@@ -10,7 +10,10 @@
       split into chunks of at most prefill_chunk tokens, the pieces grouped into calls within
       max_prefill_tokens like admissions (engine_prefill._prefill);
     a request that finished, was cancelled or preempted (re-admission prefills the draft anew) is
-      dropped from `_lag` without work (`_lagging`).
+      dropped from `_lag` without work (`_lagging`);
+    tree shapes by batch (specjax.spec_tiers): `_pick_tier` chooses the tier of the rows; rows whose
+      tree another tier grew get a catch-up piece too (from min(Ld, L - 1)), the last one `regrow`:
+      it grows the new tier's tree from x_L.
 
 Part of Engine (a mixin over its fields: sched, batch_opts, draft, _collect, _prefill)."""
 from __future__ import annotations
@@ -43,9 +46,23 @@ class CatchUpSteps:
         return dispatch_plan.runs_lazy(len(rows), any(r.grammar is not None for _, r in rows), self.draft,
                                        self.batch_opts)
 
-    def _catch_up(self) -> None:
+    def _pick_tier(self, n_rows: int, rows=None) -> bool:
+        """Set the tier for a dispatch of n_rows rows, by their fused program's rows bucket (kept while
+        a host grammar is in a slot: its masks cover the trees the host read) -> whether one of `rows`
+        [(slot, request)] holds another tier's tree (it needs a new one: _catch_up(regrow=True))."""
+        tiers = None if self.draft is None else self.draft.tiers
+        if tiers is None:
+            return False
+        if not any(r is not None and r.grammar is not None for r in self.sched.slots):
+            padded = self.sched.rows_bucket(max(n_rows, 1), self._min_rows("spec"))
+            tier = tiers.pick(n_rows, self.tier, padded)
+            self.tier_switches += tier != self.tier
+            self.tier = tier
+        return any(self._tree_tier[s] != self.tier for s, _ in rows or ())
+
+    def _catch_up(self, regrow: bool = False) -> None:
         """Read every dispatch in flight, then extend the lagging drafts of running requests to their
-        slots' lengths (module doc)."""
+        slots' lengths; regrow: grow new trees where another tier grew them (module doc)."""
         self._collect()
         self._lagging()  # drops the entries of requests gone meanwhile
         todo = {}  # slot -> (request, the sequence x_0 .. x_L, Ld)
@@ -56,6 +73,16 @@ class CatchUpSteps:
             if ld < L:
                 todo[slot] = (req, seq, ld)
         self._lag.clear()
+        new_trees = set()
+        for slot, req in (self.sched.stepping() if regrow else ()):
+            if self._tree_tier[slot] != self.tier:
+                assert req.grammar is None, "a host grammar keeps its tier (_pick_tier)"
+                seq = req.prompt_ids + req.token_ids
+                L = int(self.sched.lens[slot])
+                assert len(seq) == L + 1 and L >= 1, (slot, len(seq), L)
+                todo[slot] = (req, seq, min(todo.get(slot, (0, 0, L))[2], L - 1))
+                new_trees.add(slot)
+        self.regrown += len(new_trees)
         budget, chunk = self.batch_opts.max_prefill_tokens, self.sched.chunk
         while todo:
             pieces, longest = [], 0
@@ -63,7 +90,8 @@ class CatchUpSteps:
                 n = min(len(seq) - 1 - ld, chunk)
                 if pieces and (len(pieces) + 1) * self.sched.prefill_len(max(longest, n)) > budget:
                     break
-                pieces.append(Piece(slot, req, seq, ld, ld + n, first=False))  # not final: ends before x_L
+                pieces.append(Piece(slot, req, seq, ld, ld + n, first=False,  # not final: ends before x_L
+                                    regrow=slot in new_trees and ld + n == len(seq) - 1))
                 longest = max(longest, n)
             self._prefill(pieces)
             self.catch_ups += 1

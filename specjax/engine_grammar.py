@@ -123,7 +123,7 @@ class GrammarSteps:
                 lambda: f"finish rows={len(slots)} {flags}", self.spec_steps.finish, self.weights, self.draft_weights,
                 self.state, verified, self.samp, slots, active, mask, drafts, **flags)
             self.host.add("dispatch", t0)
-            entry = self._push("spec", out, trees, indexed, self.draft.spec.num_steps + 1, 1)
+            entry = self._push("spec", out, trees, indexed, self.spec.num_steps + 1, 1)
         else:
             t0 = time.perf_counter()
             out, _, self.state = self.compiles.call(lambda: f"sample rows={len(slots)} {flags}", self.steps.sample,
@@ -201,8 +201,8 @@ class GrammarSteps:
         if self.draft is None or not self.draft.info.has_model:
             return None
         from specjax.grammar_drafts import continuation, pause_of, tree_drafts
-        S = self.draft.spec.num_steps
-        out = np.full((B, self.draft.spec.num_nodes if tree else 1, S + 1), -1, np.int32)
+        S = self.spec.num_steps
+        out = np.full((B, self.spec.num_nodes if tree else 1, S + 1), -1, np.int32)
         if not self.opts.grammar_drafts:
             return out
         t0 = time.perf_counter()

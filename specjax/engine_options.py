@@ -76,6 +76,7 @@ class Draft:
     kv_cfg: object  # ModelConfig giving the draft's KV layout (num_layers, num_kv_heads, head_dim); None: no KV
     info: object  # specjax.drafter.DraftInfo
     spec: object  # specjax.tree.SpecConfig
+    tiers: object = None  # specjax.spec_tiers.SpecTiers: tree shapes by the batch's rows (None: spec alone)
 
 
 @dataclasses.dataclass

@@ -25,11 +25,14 @@ class PrefillSteps:
             self._admit_slots(firsts)
             self._admit_dfa([(pc.slot, pc.req) for pc in firsts])
         samplers = [(b, pc.req) for b, pc in enumerate(pieces) if pc.final]  # rows whose sample is used
-        flags = self._flags([r for _, r in samplers])
-        B, T = self._prefill_shape(pieces, (*flags.values(), any(r.grammar is not None for _, r in samplers)))
+        # regrown rows draft a tree as at admission: their sampling and DFA flags count (specjax.spec_tiers)
+        flags = self._flags([r for _, r in samplers] + [pc.req for pc in pieces if pc.regrow])
+        tiered = self.draft is not None and self.draft.tiers is not None
+        B, T = self._prefill_shape(pieces, (*flags.values(), any(r.grammar is not None for _, r in samplers),
+                                            self.tier if tiered else None))
         tokens = np.zeros((B, T), np.int32)
         start, lens, next_ids = (np.zeros(B, np.int32) for _ in range(3))
-        final = np.zeros(B, bool)
+        final, regrow = np.zeros(B, bool), np.zeros(B, bool)
         slots = np.full(B, self.batch_opts.max_batch, np.int32)  # padding rows: out of range
         samp = SamplingArrays(np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros(B, np.int32),
                               np.zeros(B, np.uint32))
@@ -37,10 +40,15 @@ class PrefillSteps:
             n = pc.end - pc.start
             tokens[b, :n], start[b], lens[b], slots[b], final[b] = pc.ids[pc.start:pc.end], pc.start, n, pc.slot, pc.final
             next_ids[b] = 0 if pc.final else pc.ids[pc.end]
+            regrow[b] = pc.regrow
             p = pc.req.params
             samp.temperature[b], samp.top_p[b], samp.top_k[b], samp.seed[b] = p.temperature, p.top_p, p.top_k, pc.req.seed
         mask, drafts = self._prefill_grammar(samplers, B)  # the first token's masks (and grammar drafts)
-        rows = PrefillRows(tokens, start, lens, slots, final, next_ids)
+        rows = PrefillRows(tokens, start, lens, slots, final, next_ids, regrow if tiered else None)
+        if tiered:  # the trees these rows now hold (specjax.spec_tiers)
+            for pc in pieces:
+                if pc.final or pc.regrow:
+                    self._tree_tier[pc.slot] = self.tier
         t0 = time.perf_counter()
         what = lambda: f"prefill rows={B} length={T} {flags}"  # noqa: E731 - logged when it compiled
         if self.draft is None:

@@ -13,6 +13,7 @@ from specjax import dispatch_plan
 from specjax import kernels as kernels_lib
 from specjax.kernels import KV_COMPACT_CHOICES, Kernels, choose_kv_compact, compact_shapes
 from specjax.scheduler import bucket
+from specjax.spec_tiers import describe as describe_tiers
 
 
 class SetupChoices:
@@ -23,6 +24,9 @@ class SetupChoices:
         if kv_compact_impl not in KV_COMPACT_CHOICES:
             raise ValueError(f"kv_compact_impl must be one of {KV_COMPACT_CHOICES}, got {kv_compact_impl!r}")
         spec = None if self.draft is None else self.draft.spec
+        if self.draft is not None and self.draft.tiers is not None:  # the deepest tree of the tiers decides
+            trees = [s for s in self.draft.tiers.specs if not s.is_chain]
+            spec = max(trees, key=lambda s: s.num_steps) if trees else spec
         topk = kernels_lib.choose_draft_topk(draft_topk)
         topk_note = "" if spec is None else f"; draft top-k: {topk}"
         if spec is None or spec.is_chain:  # a chain's accepted path is already in place
@@ -50,6 +54,8 @@ class SetupChoices:
             mode = (f"speculative ({self.draft.info.method}: num_steps={s.num_steps} topk={s.topk} "
                     f"num_draft_tokens={s.num_draft_tokens}"
                     + (f" ngram_branch={s.ngram_branch}" if s.ngram_branch else "")
+                    + ("" if self.draft.tiers is None else
+                       " for the largest batches; by rows: " + describe_tiers(self.draft.tiers))
                     + f", lookahead {self.lookahead}; up to "
                     f"{b.spec_steps_per_call} steps per dispatch; {lite})")
         return (f"{mode}; {b.max_batch} slots of {self.sched.capacity} cache entries (max_seq_len {c.max_seq_len}), "

@@ -63,6 +63,20 @@ def default_spec(draft, kind: str, max_batch: int, **override):
     return dataclasses.replace(spec, **override) if override else spec
 
 
+def default_tiers(draft, kind: str, max_batch: int):
+    """The tree shapes by batch when none is given (specjax.spec_tiers): the draft's spec_defaults
+    entries up to max_batch, or None when they give fewer than two."""
+    from specjax.checkpoint import head_spec_tiers
+    from specjax.spec_tiers import SpecTiers, describe
+    from specjax.tree import SpecConfig
+    pairs = [] if draft in ("self", "ngram") else head_spec_tiers(draft, max_batch)
+    if len(pairs) < 2:
+        return None
+    tiers = SpecTiers.of([(b, SpecConfig(method=kind, **kw)) for b, kw in pairs])
+    log.info("speculation: tree shapes by batch (the draft's spec_defaults): %s", describe(tiers))
+    return tiers
+
+
 def draft_method(draft) -> str:
     """The SpecConfig.method a draft needs: "eagle" / "eagle3" for a converted head directory,
     "draft" for a draft model directory or "self", "ngram" for "ngram"."""
@@ -124,7 +138,8 @@ class LLM:
                  steps_per_call: int = BatchOptions.steps_per_call,
                  spec_steps_per_call: int = BatchOptions.spec_steps_per_call, adaptive_steps: bool = False,
                  speculate_below: int | None | str = "auto", min_accept: float | None | str = "auto",
-                 fused_min_rows: int = BatchOptions.fused_min_rows, draft_topk: str = "auto"):
+                 fused_min_rows: int = BatchOptions.fused_min_rows, draft_topk: str = "auto",
+                 spec_tiers: bool = False):
         """dtype: "auto" (float32 on the CPU, bfloat16 on GPUs and TPUs), "bfloat16" or "float32".
         draft: None (plain decoding), "self" (the target drafts for itself: for testing), "ngram"
         (prompt lookup: drafts copied from the request's own text, no weights; specjax.ngram), the
@@ -155,6 +170,9 @@ class LLM:
         host is the bottleneck (saturation: not yet measured); the same outputs. A level whose program
         is not compiled for the batch's rows is compiled on a worker thread while the engine runs a
         compiled level (specjax.background_compile): changing levels never compiles on the engine thread.
+        spec_tiers (with a draft, no spec): each speculative step runs the tree shape the draft's
+        spec_defaults give for the batch running then (specjax.spec_tiers; lossless), not the one for
+        max_batch. Off by default: on an H200 with the shipped head it was no faster (docs/benchmarks.md).
         speculate_below (with a draft): batches of this many rows or more run lite steps (plain
         decoding that keeps the draft in sync, switching back to speculation losslessly:
         specjax.dispatch_plan) instead of speculative ones; None: always speculate; "auto": from the
@@ -202,10 +220,10 @@ class LLM:
         self.prompt_encoder = PromptEncoder(self.tokenizer)
         log.info("prompt tokenization: %s", self.prompt_encoder.info)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
-        self.spec = None
+        self.spec = self.spec_tiers = None
         engine_draft = None
         if draft is not None:
-            engine_draft = self._load_draft(draft, spec, module, dtype)
+            engine_draft = self._load_draft(draft, spec, module, dtype, spec_tiers)
         self.engine = Engine(module, self.cfg, CacheOptions(page_size, max_seq_len, num_pages, prefix_cache),
                              BatchOptions(max_batch, max_prefill_tokens, prefill_chunk, steps_per_call=steps_per_call,
                                           spec_steps_per_call=spec_steps_per_call, adaptive_steps=adaptive_steps,
@@ -233,14 +251,17 @@ class LLM:
     def _default_spec(self, draft, kind):
         return default_spec(draft, kind, self.max_batch)
 
-    def _load_draft(self, draft, spec, target_module, dtype):
+    def _load_draft(self, draft, spec, target_module, dtype, spec_tiers: bool = False):
         from specjax.checkpoint import load_model
         from specjax.drafter import DraftInfo
         from specjax.engine import Draft
         kind = draft_method(draft)
+        tiers = None
         if spec is None:
             spec = self._default_spec(draft, kind)
-        self.spec = spec
+            if spec_tiers:  # the shapes by the running batch
+                tiers = default_tiers(draft, kind, self.max_batch)
+        self.spec, self.spec_tiers = spec, tiers
         if self.spec.method != kind:
             raise ValueError(f"SpecConfig.method={self.spec.method!r} but the draft "
                              f"{'(the target itself)' if draft == 'self' else str(draft)} is a {kind!r} draft")
@@ -249,14 +270,14 @@ class LLM:
         if kind != "draft":
             from specjax.checkpoint import load_draft
             head, ecfg = load_draft(draft, self.cfg, dtype)
-            return Draft(head, ecfg.layer, DraftInfo(ecfg.method, tuple(ecfg.aux_layers)), self.spec)
+            return Draft(head, ecfg.layer, DraftInfo(ecfg.method, tuple(ecfg.aux_layers)), self.spec, tiers)
         if draft == "self":
-            return Draft(target_module, self.cfg, DraftInfo("draft"), self.spec)
+            return Draft(target_module, self.cfg, DraftInfo("draft"), self.spec, tiers)
         draft_cfg, draft_module = load_model(draft, dtype)
         if draft_cfg.vocab_size != self.cfg.vocab_size:
             raise ValueError(f"draft model {draft} has vocab_size {draft_cfg.vocab_size}, the target has "
                              f"{self.cfg.vocab_size}: a draft must share the target's vocabulary")
-        return Draft(draft_module, draft_cfg, DraftInfo("draft"), self.spec)
+        return Draft(draft_module, draft_cfg, DraftInfo("draft"), self.spec, tiers)
 
     def stats(self) -> dict:
         """The engine's counters (Engine.stats): queue, KV pages, prefix-cache hit rate, ..."""

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import decode, lazy_draft, step as step_lib
+from specjax import decode, lazy_draft, spec_tiers, step as step_lib
 from specjax import device_dfa as dfa_lib
 from specjax.kernels import Kernels
 from specjax.sampling import SamplingArrays
@@ -192,12 +192,29 @@ def _trees(state, slots):
     return state.tree_tokens[rs], state.tree_parents[rs]
 
 
+def _tiered(fn, spec, num_nodes: int, arg: int, res: int):
+    """fn with its state argument (position arg) narrowed to the tree shape `spec` and its state
+    result (position res) widened back to the state's num_nodes tree columns (specjax.spec_tiers)."""
+    def run(*args, **kw):
+        full = args[arg]
+        result = list(fn(*args[:arg], spec_tiers.narrow(full, spec, num_nodes), *args[arg + 1:], **kw))
+        result[res] = spec_tiers.widen(full, result[res], spec, num_nodes)
+        return tuple(result)
+    return functools.wraps(fn)(run)
+
+
 def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, draft_params,
-                  kernels: Kernels = Kernels()):
+                  kernels: Kernels = Kernels(), num_nodes: int | None = None):
     """-> (SpecPrograms, target weights, draft weights). kernels: the implementations to run. No draft
-    model (the n-gram drafter): draft_graphdef and draft_params None, draft weights []."""
+    model (the n-gram drafter): draft_graphdef and draft_params None, draft weights [].
+    num_nodes: the state's tree columns when it holds several tiers' trees (specjax.spec_tiers; None:
+    spec's own)."""
     tw0, tunflat = _binder(target_params)
     dw0, dunflat = _binder(draft_params)
+    N = num_nodes or spec.num_nodes
+
+    def tiered(fn, arg, res):
+        return _tiered(fn, spec, N, arg, res)
 
     def bound(fn, tw, dw, *args, **kw):
         return fn(info, spec, target_graphdef, tunflat(tw), draft_graphdef, dunflat(dw), *args, **kw)
@@ -287,11 +304,11 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         return jax.tree.map(lambda x: x[None], acc.out), _trees(new, slots), new
 
     jit = functools.partial(jax.jit, static_argnames=_STATIC)
-    return SpecPrograms(prefill=jit(prefill, donate_argnums=(2, 3)),
-                        step=jax.jit(fused, donate_argnums=(2,),
+    return SpecPrograms(prefill=jit(tiered(prefill, 2, 2), donate_argnums=(2, 3)),
+                        step=jax.jit(tiered(fused, 2, 2), donate_argnums=(2,),
                                      static_argnames=("num_steps", "lite", "lazy") + _STATIC),
-                        verify=jax.jit(verify, donate_argnums=(1,)),
-                        finish=jit(finish, donate_argnums=(2,))), tw0, dw0
+                        verify=jax.jit(tiered(verify, 1, 1), donate_argnums=(1,)),
+                        finish=jit(tiered(finish, 2, 2), donate_argnums=(2,))), tw0, dw0
 
 
 def num_compiled(programs) -> int:

@@ -80,6 +80,7 @@ class Piece:
     start: int
     end: int
     first: bool  # the first piece of this admission
+    regrow: bool = False  # a catch-up piece ending before x_L that grows a new tree (specjax.spec_tiers)
 
     @property
     def final(self) -> bool:

@@ -132,15 +132,19 @@ class SpecOut:
 
 
 def init_spec_state(cache: KVCache, draft_kv: list, spec: SpecConfig, vocab_size: int,
-                    sample_drafts: bool = True, penalties: PenaltyState | None = None) -> SpecState:
+                    sample_drafts: bool = True, penalties: PenaltyState | None = None,
+                    tiers: tuple[SpecConfig, ...] = ()) -> SpecState:
     """Empty state around a target cache and draft pages (same page count / page size; [] for the
     n-gram drafter). sample_drafts: keep chain proposals for speculative sampling (chains of a
     draft model or head; n-gram drafts are point masses).
-    penalties: a penalty state (penalties.init_penalty_state(max_slots, vocab_size)) or None."""
+    penalties: a penalty state (penalties.init_penalty_state(max_slots, vocab_size)) or None.
+    tiers: every tree shape the engine runs (specjax.spec_tiers): the tree arrays hold the largest."""
     S = cache.seq_lens.shape[0]
-    N = spec.num_nodes
+    specs = tiers or (spec,)
+    N = max(s.num_nodes for s in specs)
     is_ngram = spec.method == "ngram"
-    probs = jnp.zeros((S, N, vocab_size), jnp.float32) if spec.is_chain and sample_drafts and not is_ngram else None
+    chain = any(s.is_chain for s in specs)
+    probs = jnp.zeros((S, N, vocab_size), jnp.float32) if chain and sample_drafts and not is_ngram else None
     with_history = is_ngram or spec.ngram_branch > 0
     history = ngram.init_history(S, cache.pages_per_slot * cache.page_size) if with_history else None
     return SpecState(cache=cache, draft_kv=list(draft_kv), draft_seq_lens=jnp.zeros((S,), jnp.int32),
@@ -229,6 +233,11 @@ def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state
                                                info.aux_layers, pen=pen, token_mask=token_mask, dfa_view=v)
     fin = decode.final_slots(rows, max_slots)
     final = (fin < max_slots).astype(jnp.int32)
+    # rows that end at a tree's root: final rows (root = the sampled token) and regrown ones (root =
+    # next_ids, the slot's last token, already counted by penalties, DFAs and the history)
+    ends = final if rows.regrow is None else jnp.maximum(final, (rows.regrow & (rows.lens > 0)).astype(jnp.int32))
+    grown = jnp.where(ends > 0, rows.slots, max_slots)
+    root = out.tokens if rows.regrow is None else jnp.where(final > 0, out.tokens, rows.next_ids)
     pen = decode.count_first(pen, fin, rows.lens, out.tokens)
     tables = decode.prefill_dfa_advance(state.dfa, v, fin, rows, out.tokens)
     if not info.has_model:  # n-gram: the history holds the sequence (written at admission); add x_P
@@ -250,15 +259,15 @@ def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state
     feats = drafter.target_features(info, draft, h, aux)
     if feats is not None:
         feats = jnp.pad(feats, ((0, 0), (0, 1), (0, 0)))  # [B, T + 1, E]
-    n_d = (rows.lens + (1 - sh) * final) * act  # draft entries this piece writes
+    n_d = (rows.lens + (1 - sh) * ends) * act  # draft entries this piece writes
     h_last, lg_last, dkv = draft_tree.extend(info, draft, target, state.draft_kv, pt, ps, dtoks, feats, rows.start,
                                              n_d)
     Ld = rows.start + n_d
     forced = None
     if grammar_drafts is not None:
         forced = draft_tree.grammar_levels(grammar_drafts, jnp.zeros_like(out.tokens), out.tokens, spec.num_steps)
-    roots = None if v is None else tables.state[jnp.clip(rows.slots, 0, max_slots - 1)]  # after the first token
-    tree, probs, dkv = draft_tree.grow(info, spec, draft, target, dkv, pt, ps, act * final, out.tokens,
+    roots = None if v is None else tables.state[jnp.clip(rows.slots, 0, max_slots - 1)]  # after the root
+    tree, probs, dkv = draft_tree.grow(info, spec, draft, target, dkv, pt, ps, act * ends, root,
                                        rows.start + rows.lens, Ld, h_last, lg_last, samp,
                                        (stochastic if state.draft_probs is not None else False),
                                        _draft_rows(info, pen, rows.slots), forced,
@@ -270,7 +279,7 @@ def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state
         end = rows.start + rows.lens
         hist = ngram.append(state.history, fin, end - 1, out.tokens[:, None], final)
         tree = ngram.add_branch(hist[jnp.clip(rows.slots, 0, max_slots - 1)], end + 1, tree, spec)
-    return out, _store(state, fin, tree, probs, dkv, draft_seq_lens, cache, pen, hist, dfa=tables)
+    return out, _store(state, grown, tree, probs, dkv, draft_seq_lens, cache, pen, hist, dfa=tables)
 
 
 def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, tokens, lens, slots,

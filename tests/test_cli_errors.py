@@ -67,6 +67,8 @@ CASES = [  # (extra arguments, what the message must say)
     (["--choice", ""], "--choice must hold non-empty strings"),
     (["--speculate-below", "0"], "argument --speculate-below: must be an integer >= 1, got 0"),
     (["--speculate-below", "8"], "--speculate-below applies to speculative decoding: give --speculate or --draft"),
+    (["--spec-tiers"], "--spec-tiers runs the shapes of a draft's spec_defaults: give --speculate or --draft"),
+    (["--draft", "self", "--num-steps", "2", "--spec-tiers"], "without --num-steps / --topk"),
     (["--json-schema", "{tmp}/missing.json"], "--json-schema: cannot read {tmp}/missing.json"),
     (["--grammar", "{tmp}/missing.ebnf"], "--grammar: cannot read {tmp}/missing.ebnf"),
 ]
