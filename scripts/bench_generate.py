@@ -15,6 +15,7 @@ speculative "spec" / "lite": plain steps that keep the draft in sync, for batche
     python3 scripts/bench_generate.py --batch 1,8,32,64 --max-tokens 128 --no-plain --speculate-below 8
     python3 scripts/bench_generate.py --batch 8,32,64 --max-tokens 128 --requests-per-slot 4
     python3 scripts/bench_generate.py --batch 1 --prompts 16 --max-tokens 128 --attention cudnn  # tau over 16 texts
+    python3 scripts/bench_generate.py --batch 1 --max-batch 32 --prompts 8 --sequential [--spec-tiers]  # a server's lull
     python3 scripts/bench_generate.py --batch 512 --max-tokens 256 --temperature 0.7 --no-spec --profile 25
     python3 scripts/bench_generate.py --model DIR --draft self --dtype float32 --batch 2 --max-tokens 16  # CPU smoke
 
@@ -39,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from specjax import LLM, SamplingParams  # noqa: E402
 from specjax.cli import speculate_below_arg  # noqa: E402
+from specjax.spec_tiers import describe  # noqa: E402
 
 SUBJECTS = ["a city at night", "the history of bread", "how vaccines work", "a letter to a friend",
             "sorting algorithms", "the water cycle", "a job interview", "renewable energy", "a short mystery",
@@ -71,14 +73,17 @@ def prompts(llm, n: int) -> list[list[int]]:
 KINDS = ("spec", "lite", "lazy", "decode")
 
 
-def timed(llm, ids, params, profile: int = 0):
+def timed(llm, ids, params, profile: int = 0, sequential: bool = False):
     c0 = _compiles[0]
     st0 = llm.stats()
     prof = cProfile.Profile() if profile else None
     t = time.perf_counter()
     if prof:
         prof.enable()
-    outs = llm.generate(ids, params)
+    if sequential:  # one request at a time: a batch of one in an engine of max_batch slots
+        outs = [o for i, p in zip(ids, params) for o in llm.generate([i], [p])]
+    else:
+        outs = llm.generate(ids, params)
     if prof:
         prof.disable()
     s = time.perf_counter() - t
@@ -87,6 +92,7 @@ def timed(llm, ids, params, profile: int = 0):
         pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
     st = llm.stats()
     counts = {f"{k}_{w}": st[f"{k}_{w}"] - st0[f"{k}_{w}"] for k in KINDS for w in ("dispatches", "dispatch_steps")}
+    counts.update({k: st[k] - st0[k] for k in ("tier_switches", "regrown_trees")})
     return dict(seconds=s, tokens=n, tok_s=n / s, compiles=_compiles[0] - c0, **counts), outs
 
 
@@ -97,21 +103,25 @@ def run(llm, B, a, spec: bool):
               for i in range(n)]
     c0 = _compiles[0]
     t = time.perf_counter()
-    llm.generate(ids, params)
+    timed(llm, ids, params, sequential=a.sequential)
     first = dict(seconds=time.perf_counter() - t, compiles=_compiles[0] - c0)
-    second, _ = timed(llm, ids, params)
-    third, outs = timed(llm, ids, params, a.profile)
+    second, _ = timed(llm, ids, params, sequential=a.sequential)
+    third, outs = timed(llm, ids, params, a.profile, a.sequential)
     tau = None
     if spec:
         means = [o.accept_len_mean for o in outs if o.accept_len_mean is not None]
         tau = float(np.mean(means)) if means else None
-    return dict(batch=B, requests=len(ids), kind="spec" if spec else "plain", first_s=round(first["seconds"], 2),
+    return dict(batch=B, max_batch=llm.max_batch, sequential=a.sequential, requests=len(ids),
+                kind="spec" if spec else "plain", first_s=round(first["seconds"], 2),
                 first_compiles=first["compiles"], second_compiles=second["compiles"],
                 third_compiles=third["compiles"], tok_s=round(max(second["tok_s"], third["tok_s"]), 1),
                 tok_s_second=round(second["tok_s"], 1), tok_s_third=round(third["tok_s"], 1), tau=tau,
                 speculate_below=llm.engine.batch_opts.speculate_below if spec else None,
                 attention=llm.engine.attention_choice["attention"],
-                **{k: v for k, v in third.items() if k.endswith(("_dispatches", "_dispatch_steps"))})
+                tiers=None if not spec or llm.spec_tiers is None else describe(llm.spec_tiers),
+                tree=None if not spec else f"{llm.spec.num_steps}/{llm.spec.topk}/{llm.spec.num_draft_tokens}",
+                **{k: v for k, v in third.items() if k.endswith(("_dispatches", "_dispatch_steps", "tier_switches",
+                                                                 "regrown_trees"))})
 
 
 def main(argv=None) -> int:
@@ -141,6 +151,12 @@ def main(argv=None) -> int:
     p.add_argument("--requests-per-slot", type=int, default=1,
                    help="requests per engine slot (1: a closed batch; more: slots refilled as requests finish)")
     p.add_argument("--json", default=None, help="append rows as JSON lines")
+    p.add_argument("--max-batch", type=int, default=None, help="the engine's slots (default: the batch)")
+    p.add_argument("--sequential", action="store_true",
+                   help="one request at a time (a batch of one in an engine of --max-batch slots)")
+    p.add_argument("--spec-tiers", action="store_true",
+                   help="tree shapes by the running batch (LLM(spec_tiers=True); default: the draft's tree for "
+                   "--max-batch at every batch)")
     a = p.parse_args(argv)
     if a.requests_per_slot < 1:
         p.error(f"--requests-per-slot must be >= 1, got {a.requests_per_slot}")
@@ -152,8 +168,10 @@ def main(argv=None) -> int:
     for B in batches:
         pair = {}
         for spec in ([] if a.no_plain else [False]) + ([] if a.no_spec else [True]):
-            llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=draft if spec else None,
-                      speculate_below=a.speculate_below if spec else "auto", attention=a.attention)
+            mb = a.max_batch or B
+            llm = LLM(a.model, dtype=a.dtype, max_batch=mb, max_seq_len=a.max_seq_len, draft=draft if spec else None,
+                      speculate_below=a.speculate_below if spec else "auto", attention=a.attention,
+                      spec_tiers=spec and a.spec_tiers)
             if spec and a.spec_steps_per_call is not None:
                 llm.engine.batch_opts = dataclasses.replace(llm.engine.batch_opts,
                                                             spec_steps_per_call=a.spec_steps_per_call)
