@@ -152,7 +152,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         else:
             dsplit = (None, None) if draft.model is None else nnx.split(draft.model)  # None: n-gram, no model
             tiers = (draft.spec,) if draft.tiers is None else draft.tiers.specs
-            N = max(s.num_nodes for s in tiers)
+            N = draft.spec.num_nodes if draft.tiers is None else draft.tiers.num_nodes
             built = [prog.spec_programs(draft.info, s, *nnx.split(model), *dsplit, kernels=self.kernels, num_nodes=N)
                      for s in tiers]  # one program set per tree shape (specjax.spec_tiers)
             self._tier_steps = [b[0] for b in built]
@@ -389,10 +389,11 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             self._report(req)
         newest = None
         rows = self.sched.stepping()
-        if rows and not self._runs_lazy(rows):  # the draft is read next: bring it up to date, with new
-            # trees where the tier changed (reads every dispatch in flight)
+        tiered = self.draft is not None and self.draft.tiers is not None
+        if rows and (tiered or self._lagging()) and not self._runs_lazy(rows):  # the draft is read next:
+            # bring it up to date, with new trees where the tier changed (reads every dispatch in flight)
             regrow = self._pick_tier(len(rows), rows)
-            if self._lagging() or regrow:
+            if regrow or self._lagging():
                 self._catch_up(regrow)
                 rows = self.sched.stepping()
         if rows and self._hold_back(rows):

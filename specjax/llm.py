@@ -71,6 +71,8 @@ def default_tiers(draft, kind: str, max_batch: int):
     from specjax.tree import SpecConfig
     pairs = [] if draft in ("self", "ngram") else head_spec_tiers(draft, max_batch)
     if len(pairs) < 2:
+        log.info("speculation: spec_tiers asked for, but %s's spec_defaults give one tree shape up to max_batch %d: "
+                 "one shape runs", draft, max_batch)
         return None
     tiers = SpecTiers.of([(b, SpecConfig(method=kind, **kw)) for b, kw in pairs])
     log.info("speculation: tree shapes by batch (the draft's spec_defaults): %s", describe(tiers))
@@ -190,6 +192,9 @@ class LLM:
         from specjax.machine import log_backend, resolve_dtype
         compile_cache.enable()  # before anything compiles (SPECJAX_COMPILE_CACHE=off: not used)
         dtype = resolve_dtype(dtype)
+        if spec_tiers and (draft is None or spec is not None):
+            raise ValueError("spec_tiers=True runs the tree shapes of a draft's spec_defaults: it needs a draft and "
+                             f"no explicit spec (got draft={draft!r}, spec={spec!r})")
         if draft is None and spec is not None:
             if spec.method != "ngram":
                 raise ValueError(f"SpecConfig(method={spec.method!r}) needs a draft (LLM(draft=...)); only "

@@ -108,6 +108,11 @@ def test_policy(tmp_path):
     assert got.bounds == (1, 8, 32) and [s.num_nodes for s in got.specs] == [29, 17, 9]
     assert default_tiers(tmp_path, "eagle3", 16).bounds == (1, 8)
     assert default_tiers(tmp_path, "eagle3", 4) is None  # one entry: the engine's spec alone
+    from specjax import LLM
+    with pytest.raises(ValueError, match="spec_tiers=True .* needs a draft and no explicit spec"):
+        LLM("unused-dir", draft=None, spec_tiers=True)
+    with pytest.raises(ValueError, match="no explicit spec"):
+        LLM("unused-dir", draft="self", spec=SpecConfig(method="draft", num_steps=2), spec_tiers=True)
 
 
 V = 6
