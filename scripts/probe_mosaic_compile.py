@@ -54,23 +54,27 @@ def one(n: int, impl: str) -> dict:
                 compile_s=round(t2 - t1, 2), hlo_chars=len(lowered.as_text()))
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sites", default="1,2,8,30")
     p.add_argument("--impl", default="mosaic_gpu")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one is not None:
-        print(json.dumps(one(a.one, a.impl)), flush=True)
-        return 0
+        row = one(a.one, a.impl)
+        print(json.dumps(row), flush=True)
+        return [row]
+    rows = []
     env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false", SPECJAX_COMPILE_CACHE="off")
     for n in (int(s) for s in a.sites.split(",")):
         r = subprocess.run([sys.executable, __file__, "--one", str(n), "--impl", a.impl], env=env,
                            capture_output=True, text=True)
         line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         print(line[-1] if line else f"sites {n}: failed: {r.stderr[-800:]}", flush=True)
-    return 0
+        if line:
+            rows.append(json.loads(line[-1]))
+    return rows
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
