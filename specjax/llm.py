@@ -71,8 +71,8 @@ def default_tiers(draft, kind: str, max_batch: int):
     from specjax.tree import SpecConfig
     pairs = [] if draft in ("self", "ngram") else head_spec_tiers(draft, max_batch)
     if len(pairs) < 2:
-        log.info("speculation: spec_tiers asked for, but %s's spec_defaults give one tree shape up to max_batch %d: "
-                 "one shape runs", draft, max_batch)
+        log.warning("speculation: spec_tiers asked for, but %s's spec_defaults give one tree shape up to max_batch %d: "
+                    "one shape runs", draft, max_batch)
         return None
     tiers = SpecTiers.of([(b, SpecConfig(method=kind, **kw)) for b, kw in pairs])
     log.info("speculation: tree shapes by batch (the draft's spec_defaults): %s", describe(tiers))

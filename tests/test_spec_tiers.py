@@ -84,7 +84,7 @@ def test_tiers_equal_plain(world, plain, kind):  # noqa: F811 - fixtures
         assert st["catch_ups"] > 0 and st["lazy_dispatches"] > 0
 
 
-def test_policy(tmp_path):
+def test_policy(tmp_path, caplog):
     """Bounds from 1 row, one method, hysteresis on the way down; a draft's spec_defaults give the
     tiers up to max_batch (none with fewer than two entries)."""
     from specjax.llm import default_tiers
@@ -107,7 +107,9 @@ def test_policy(tmp_path):
     got = default_tiers(tmp_path, "eagle3", 64)
     assert got.bounds == (1, 8, 32) and [s.num_nodes for s in got.specs] == [29, 17, 9]
     assert default_tiers(tmp_path, "eagle3", 16).bounds == (1, 8)
-    assert default_tiers(tmp_path, "eagle3", 4) is None  # one entry: the engine's spec alone
+    with caplog.at_level("WARNING", logger="specjax"):
+        assert default_tiers(tmp_path, "eagle3", 4) is None  # one entry: the engine's spec alone
+    assert "give one tree shape up to max_batch 4" in caplog.text  # asked for tiers, got one shape: said
     from specjax import LLM
     with pytest.raises(ValueError, match="spec_tiers=True .* needs a draft and no explicit spec"):
         LLM("unused-dir", draft=None, spec_tiers=True)
