@@ -273,28 +273,40 @@ def merge_branch(tree: Tree, branch) -> Tree:
     max_depth, is a duplicate sibling (the followed node's parent and token; node 1's for too deep),
     which verification never takes: greedy_accept picks the lowest index among equal children, and
     a point-mass proposal's token is gone from the residual once an earlier sibling was rejected.
+    Computed for all branch nodes at once (no loop over them: a few fused kernels on a GPU, where
+    each kernel of the step costs launch latency): the tree nodes on the branch's path are those
+    whose ancestors' tokens all equal the branch's at their depths; the mask is the parent's row
+    plus the branch nodes of the chain, no rebuild from the parents.
     """
     b, n = tree.tokens.shape
-    cur = jnp.zeros((b,), jnp.int32)  # the node the branch has reached
-    cur_depth = jnp.zeros((b,), jnp.int32)
-    left = jnp.zeros((b,), bool)  # the branch has left the tree
-    toks, pars, deps = [], [], []
-    for i in range(branch.shape[1]):
-        g = branch[:, i].astype(jnp.int32)
-        match = ~left[:, None] & (tree.parents == cur[:, None]) & (tree.tokens == g[:, None])  # [B, N]
-        found = jnp.any(match, axis=1)
-        depth = cur_depth + 1
-        fits = found | (depth <= tree.max_depth)
-        toks.append(jnp.where(fits, g, tree.tokens[:, 1]))
-        pars.append(jnp.where(fits, cur, 0))
-        deps.append(jnp.where(fits, depth, 1))
-        cur = jnp.where(found, jnp.argmax(match, axis=1).astype(jnp.int32), jnp.where(fits, n + i, cur))
-        cur_depth = jnp.where(fits, depth, cur_depth)
-        left = left | ~found
-    tokens = jnp.concatenate([tree.tokens, jnp.stack(toks, axis=1)], axis=1)
-    parents = jnp.concatenate([tree.parents, jnp.stack(pars, axis=1)], axis=1)
-    depth = jnp.concatenate([tree.depth, jnp.stack(deps, axis=1)], axis=1)
-    return make_tree(tokens, parents, depth, tree.max_depth)
+    L, D = branch.shape[1], tree.max_depth
+    g = branch.astype(jnp.int32)  # [B, L]
+    d = tree.depth  # [B, N]
+    at = jnp.take_along_axis(g, jnp.clip(d - 1, 0, L - 1), axis=1)  # [B, N] the branch's token at the node's depth
+    eq = (d == 0) | ((d <= L) & (tree.tokens == at))
+    on = jnp.all(~tree.mask | eq[:, None, :], axis=2) & (d >= 1)  # [B, N] the node's path is a branch prefix
+    i = jnp.arange(L, dtype=jnp.int32)[None, :]  # [1, L]
+    lvl = (d[:, None, :] == i[:, :, None] + 1) & on[:, None, :]  # [B, L, N] on the path at depth i + 1
+    found = jnp.cumprod(jnp.any(lvl, axis=2).astype(jnp.int32), axis=1)  # [B, L] followed through i
+    node = jnp.argmax(lvl, axis=2).astype(jnp.int32)  # [B, L] the tree node reached at depth i + 1
+    m = jnp.sum(found, axis=1, keepdims=True)  # [B, 1] branch tokens the tree already has
+    prev = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), node[:, :-1]], axis=1)  # [B, L] the node before i
+    leave = jnp.take_along_axis(prev, jnp.minimum(m, L - 1), axis=1)  # [B, 1] where the branch leaves the tree
+    fits = (i < m) | (i + 1 <= D)  # [B, L] on the tree, or new and not too deep
+    chain = fits & (i >= m)  # new nodes: a chain under `leave`
+    toks = jnp.where(fits, g, tree.tokens[:, 1:2])
+    pars = jnp.where(fits, jnp.where(i <= m, prev, n + i - 1), 0)
+    deps = jnp.where(fits, i + 1, 1)
+    anchor = jnp.where(chain, leave, jnp.where(fits, prev, 0))  # [B, L] the tree node above the chain
+    lo = jnp.where(chain, m, i)  # [B, L] the chain's first branch node
+    upper = jnp.take_along_axis(tree.mask, anchor[:, :, None], axis=1)  # [B, L, N]
+    j = i[:, None, :]  # [1, 1, L] branch node columns
+    own = (j >= lo[:, :, None]) & (j <= i[:, :, None])  # [B, L, L]
+    mask = jnp.concatenate([jnp.concatenate([tree.mask, jnp.zeros((b, n, L), bool)], axis=2),
+                            jnp.concatenate([upper, own], axis=2)], axis=1)  # [B, N + L, N + L]
+    return Tree(tokens=jnp.concatenate([tree.tokens, toks], axis=1),
+                parents=jnp.concatenate([tree.parents, pars], axis=1),
+                depth=jnp.concatenate([tree.depth, deps], axis=1), mask=mask, max_depth=D)
 
 
 def chain_tree(root_tokens, draft_tokens) -> Tree:
