@@ -113,7 +113,10 @@ def runs_lite(n_rows: int, speculate_below: int | None) -> bool:
 def lazy_ok(draft, batch_opts) -> bool:
     """Whether this engine's lite steps for large batches leave the draft behind (specjax.lazy_draft)."""
     from specjax.lazy_draft import supports_lazy
-    return batch_opts.lazy_draft and draft is not None and supports_lazy(draft.info, draft.spec)
+    if not batch_opts.lazy_draft or draft is None:
+        return False
+    specs = (draft.spec,) if draft.tiers is None else draft.tiers.specs  # a branch in any tier keeps a history
+    return all(supports_lazy(draft.info, s) for s in specs)
 
 
 def runs_lazy(n_rows: int, grammar: bool, draft, batch_opts) -> bool:

@@ -1,12 +1,14 @@
 """Tree shapes by the current batch: a speculative engine's tiers.
 
 The best tree depends on the batch: one row affords a deep tree (the shipped head: 7 draft steps,
-28 nodes), 32 rows a small one (4 / 2 / 8), since verifying N nodes per row costs compute that a
-large batch no longer has to spare. A draft's `spec_defaults` (specjax.checkpoint) measure the best
+24 nodes + an n-gram branch of 7), 32 rows a small one (4 / 2 / 8), since verifying N nodes per row
+costs compute that a large batch no longer has to spare. A draft's `spec_defaults` (specjax.checkpoint) measure the best
 shape per batch size; an engine given several runs, for each decode dispatch, the shape of the
 tier its rows fall in:
 
-    tiers   ((min_rows, SpecConfig), ...), min_rows ascending from 1; all of one method
+    tiers   ((min_rows, SpecConfig), ...), min_rows ascending from 1; all of one method; where
+            one has an n-gram branch (SpecConfig.ngram_branch) the state keeps the token history
+            and every tier appends to it (so large batches run lite steps, not lazy ones)
     pick    the tier of n rows padded to the program's rows bucket b (the rows a step computes:
             spec_defaults were measured on batches of exactly that many rows): the last whose
             min_rows <= b; a move to a smaller tier waits until n < 3/4 of the current tier's min_rows
@@ -53,9 +55,8 @@ class SpecTiers(NamedTuple):
         if len({b for b, _ in pairs}) != len(pairs):
             raise ValueError(f"spec tiers: repeated bounds {[b for b, _ in pairs]}")
         specs = [s for _, s in pairs]
-        for field in ("method", "ngram_branch"):
-            if len({getattr(s, field) for s in specs}) > 1:
-                raise ValueError(f"spec tiers must share {field}, got {[getattr(s, field) for s in specs]}")
+        if len({s.method for s in specs}) > 1:
+            raise ValueError(f"spec tiers must share method, got {[s.method for s in specs]}")
         return SpecTiers(tuple(b for b, _ in pairs), tuple(specs))
 
     @property
@@ -72,9 +73,9 @@ class SpecTiers(NamedTuple):
 
 
 def describe(tiers: SpecTiers) -> str:
-    """'>= 1 rows 7/4/28, >= 8 rows 5/4/16, ...' (num_steps / topk / num_draft_tokens)."""
+    """'>= 1 rows 7/4/24+7, >= 8 rows 5/4/16, ...' (num_steps / topk / num_draft_tokens [+ ngram_branch])."""
     return ", ".join(f">= {b} rows {s.num_steps}/{s.topk}/{s.num_draft_tokens}"
-                     for b, s in zip(tiers.bounds, tiers.specs))
+                     + (f"+{s.ngram_branch}" if s.ngram_branch else "") for b, s in zip(tiers.bounds, tiers.specs))
 
 
 def narrow(state, spec: SpecConfig, num_nodes: int):

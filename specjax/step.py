@@ -145,7 +145,7 @@ def init_spec_state(cache: KVCache, draft_kv: list, spec: SpecConfig, vocab_size
     is_ngram = spec.method == "ngram"
     chain = any(s.is_chain for s in specs)
     probs = jnp.zeros((S, N, vocab_size), jnp.float32) if chain and sample_drafts and not is_ngram else None
-    with_history = is_ngram or spec.ngram_branch > 0
+    with_history = is_ngram or any(s.ngram_branch > 0 for s in specs)  # a tier without a branch appends too
     history = ngram.init_history(S, cache.pages_per_slot * cache.page_size) if with_history else None
     return SpecState(cache=cache, draft_kv=list(draft_kv), draft_seq_lens=jnp.zeros((S,), jnp.int32),
                      tree_tokens=jnp.zeros((S, N), jnp.int32), tree_parents=jnp.full((S, N), -1, jnp.int32),
@@ -275,10 +275,11 @@ def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state
                                        kernels.draft_topk)
     draft_seq_lens = state.draft_seq_lens.at[rows.slots].set(Ld, mode="drop")
     hist = None
-    if spec.ngram_branch:  # the history holds the sequence (written at admission); add x_P
-        end = rows.start + rows.lens
+    if state.history is not None:  # the history holds the sequence (written at admission); add x_P
+        end = rows.start + rows.lens  # (kept by every tier when one has a branch: specjax.spec_tiers)
         hist = ngram.append(state.history, fin, end - 1, out.tokens[:, None], final)
-        tree = ngram.add_branch(hist[jnp.clip(rows.slots, 0, max_slots - 1)], end + 1, tree, spec)
+        if spec.ngram_branch:
+            tree = ngram.add_branch(hist[jnp.clip(rows.slots, 0, max_slots - 1)], end + 1, tree, spec)
     return out, _store(state, grown, tree, probs, dkv, draft_seq_lens, cache, pen, hist, dfa=tables)
 
 

@@ -139,6 +139,21 @@ def _branch_run(kind, branch, page_size=4):
     return _steps_run(steps, tw, dw, state, prompts, ref, 4)
 
 
+def test_a_tier_without_a_branch_keeps_the_history():
+    """Tree shapes by batch (specjax.spec_tiers) where only another tier has an n-gram branch: the
+    state keeps the history and this tier's prefill and steps append to it (_steps_run checks it holds
+    the prompt and every emitted token), so the branch finds the sequence when its tier runs again."""
+    from test_step import _draft
+    cfg, target, prompts, ref = setup_of("cyclic")
+    dcfg, draft = _draft("random", cfg, target)
+    spec = SpecConfig(method="draft", num_steps=3, topk=2, num_draft_tokens=4)
+    other = SpecConfig(method="draft", num_steps=2, topk=2, num_draft_tokens=2, ngram_branch=1)
+    steps, tw, dw = compile_spec_steps(DraftInfo("draft"), spec, *nnx.split(target), *nnx.split(draft))
+    state = init_spec_state(_cache(cfg, 4), _cache(dcfg, 4).kv, spec, cfg.vocab_size, tiers=(spec, other))
+    assert state.history is not None and state.tree_tokens.shape == (MAX_SLOTS, 5)
+    _steps_run(steps, tw, dw, state, prompts, ref, 4)
+
+
 @pytest.mark.parametrize("kind", ["random", "cyclic"])
 def test_model_draft_tree_with_an_ngram_branch_equals_plain_greedy(kind):
     """SpecConfig.ngram_branch: a draft model's tree plus 3 n-gram nodes under the root gives plain

@@ -24,22 +24,25 @@ from specjax.drafter import DraftInfo
 from specjax.engine import Draft
 from specjax.kv_cache import init_cache
 from specjax.sampling import SamplingArrays
-from specjax.spec_tiers import SpecTiers
+from specjax.spec_tiers import SpecTiers, describe
 from specjax.step import init_spec_state
 from specjax.tree import SpecConfig
 from test_adaptive_spec import _engine, _params, _run, plain, world  # noqa: F401 - fixtures
 
 EAGLE_TIERS = SpecTiers.of([(1, SpecConfig(method="eagle3", num_steps=4, topk=2, num_draft_tokens=7)),
                             (2, SpecConfig(method="eagle3", num_steps=2, topk=2, num_draft_tokens=3))])
+BRANCH_TIERS = SpecTiers.of([(1, SpecConfig(method="eagle3", num_steps=4, topk=2, num_draft_tokens=7, ngram_branch=2)),
+                             (2, SpecConfig(method="eagle3", num_steps=2, topk=2, num_draft_tokens=3))])
 MIXED_TIERS = SpecTiers.of([(1, SpecConfig(method="draft", num_steps=4)),  # a chain: sampled proposals kept
                             (2, SpecConfig(method="draft", num_steps=2, topk=2, num_draft_tokens=3))])
 
 
 def _tiered_draft(cfg, target, kind) -> Draft:
-    if kind == "eagle3":
+    if kind.startswith("eagle3"):
         from test_spec_eagle import random_head
         head, ecfg = random_head(cfg, "eagle3", seed=3, draft_vocab=80, aux_layers=(0, 1, 2))
-        return Draft(head, ecfg.layer, DraftInfo("eagle3", ecfg.aux_layers), EAGLE_TIERS.specs[-1], EAGLE_TIERS)
+        tiers = BRANCH_TIERS if "branch" in kind else EAGLE_TIERS
+        return Draft(head, ecfg.layer, DraftInfo("eagle3", ecfg.aux_layers), tiers.specs[-1], tiers)
     other = tiny_model(cfg, seed=7)
     return Draft(other, cfg, DraftInfo("draft"), MIXED_TIERS.specs[-1], MIXED_TIERS)
 
@@ -59,15 +62,18 @@ def _watch_tiers(eng, seen):
         eng._tier_steps[t] = steps._replace(step=spied)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "draft chain + tree"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3, n-gram branch at 1 row", "draft chain + tree"])
 def test_tiers_equal_plain(world, plain, kind):  # noqa: F811 - fixtures
     """The batch goes 1 -> 2 -> 1 -> 2 rows (test_adaptive_spec's arrivals): the tier follows, both
-    ways, and the outputs are plain decoding's; with lazy steps at 2 rows (EAGLE-3) as well."""
+    ways, and the outputs are plain decoding's; with lazy steps at 2 rows (EAGLE-3) as well. With an
+    n-gram branch in the 1-row tier only, the state keeps the token history for every tier (each
+    appends to it), and large batches run lite steps, not lazy ones (those would not append)."""
     cfg, target, prompts = world
     params, want = plain
     eng = _engine(world, _tiered_draft(cfg, target, kind))
     assert eng.state.tree_tokens.shape[1] == max(s.num_nodes for s in eng.draft.tiers.specs)
-    assert (eng.state.draft_probs is not None) == (kind != "eagle3")
+    assert (eng.state.draft_probs is not None) == (kind == "draft chain + tree")
+    assert (eng.state.history is not None) == ("branch" in kind)
     seen = []
     _watch_tiers(eng, seen)
     reqs = _run(eng, prompts, params)
@@ -82,6 +88,11 @@ def test_tiers_equal_plain(world, plain, kind):  # noqa: F811 - fixtures
         assert any(lazy for _, lazy in seen) and eng.tier_switches > switches
         st = eng.stats()
         assert st["catch_ups"] > 0 and st["lazy_dispatches"] > 0
+    if "branch" in kind:  # lite steps at 2 rows (they append to the history), never lazy ones
+        seen.clear()
+        reqs = _run(eng, prompts, params, below=2)
+        assert [(r.token_ids, r.finish_reason) for r in reqs] == want
+        assert seen and not any(lazy for _, lazy in seen) and eng.stats()["lazy_dispatches"] == 0
 
 
 def test_policy(tmp_path, caplog):
@@ -97,6 +108,10 @@ def test_policy(tmp_path, caplog):
     assert [t.pick(n, 2) for n in (31, 24, 23, 9, 5)] == [2, 2, 1, 1, 0]
     with pytest.raises(ValueError, match="start at 1 row"):
         SpecTiers.of([(2, SpecConfig(method="eagle3", num_steps=2))])
+    b = SpecTiers.of([(1, SpecConfig(method="eagle3", num_steps=7, topk=4, num_draft_tokens=24, ngram_branch=7)),
+                      (8, SpecConfig(method="eagle3", num_steps=5, topk=4, num_draft_tokens=16))])
+    assert b.num_nodes == 32 and [s.ngram_branch for s in b.specs] == [7, 0]  # a branch in some tiers only
+    assert describe(b) == ">= 1 rows 7/4/24+7, >= 8 rows 5/4/16"
     with pytest.raises(ValueError, match="share method"):
         SpecTiers.of([(1, SpecConfig(method="eagle3", num_steps=2)), (4, SpecConfig(method="draft", num_steps=2))])
     with pytest.raises(ValueError, match="repeated"):
@@ -192,9 +207,9 @@ def test_regrown_tree_sampling_law():
 
 def test_shipped_head_tiers_equal_plain():
     """The default model with the shipped head in an engine of 8 slots, LLM(spec_tiers=True) (off by
-    default): tiers 7/4/28 (from 1 row) and 5/4/16 (from 8) by its spec_defaults; 10 requests of different lengths fill the 8 slots, refill
-    them and drain to one: the tier changes and rows get new trees, the outputs are plain decoding's
-    (greedy, float32)."""
+    default): tiers 7/4/24 with an n-gram branch of 7 (from 1 row) and 5/4/16 (from 8) by its
+    spec_defaults; 10 requests of different lengths fill the 8 slots, refill them and drain to one:
+    the tier changes and rows get new trees, the outputs are plain decoding's (greedy, float32)."""
     from specjax import LLM, SamplingParams
     from specjax.assets import DEFAULT_HEAD_DIR
     prompts = [f"Write one sentence about {s}." for s in ("owls", "rain", "jazz", "salt", "a clock", "bees",
@@ -206,7 +221,9 @@ def test_shipped_head_tiers_equal_plain():
     assert LLM(dtype="float32", max_batch=8, max_seq_len=256, draft=DEFAULT_HEAD_DIR).spec_tiers is None  # opt-in
     llm = LLM(dtype="float32", max_batch=8, max_seq_len=256, draft=DEFAULT_HEAD_DIR, spec_tiers=True)
     assert llm.spec_tiers is not None and llm.spec_tiers.bounds == (1, 8)
-    assert [(s.num_steps, s.topk, s.num_draft_tokens) for s in llm.spec_tiers.specs] == [(7, 4, 28), (5, 4, 16)]
+    assert [(s.num_steps, s.topk, s.num_draft_tokens, s.ngram_branch) for s in llm.spec_tiers.specs] == [
+        (7, 4, 24, 7), (5, 4, 16, 0)]
+    assert llm.engine.state.history is not None
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     st = llm.stats()
     assert st["tier_switches"] >= 1 and st["regrown_trees"] >= 1 and st["spec_tier"] == 0, st
