@@ -210,9 +210,10 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                         "elsewhere (the same results); the info line names it")
     g.add_argument("--ngram-max", type=positive_int, default=4, help="n-gram drafter: longest suffix matched")
     g.add_argument("--ngram-min", type=positive_int, default=1, help="n-gram drafter: shortest suffix matched")
-    g.add_argument("--ngram-branch", type=int, default=0, metavar="L",
+    g.add_argument("--ngram-branch", type=int, default=None, metavar="L",
                    help="a model draft's tree: add L nodes holding the request's best n-gram continuation under "
-                        "the root (merged where the tree has them; 0 <= L <= --num-steps; default 0: off)")
+                        "the root (merged where the tree has them; 0 <= L <= --num-steps; default: the draft's "
+                        "spec_defaults without tree flags, else 0: off; 0 turns a default branch off)")
     from specjax.engine import BatchOptions
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not reuse the KV pages of prompt prefixes computed before (same outputs)")
@@ -263,10 +264,10 @@ def check_model_arguments(a) -> None:
         raise UsageError("--speculate-below applies to speculative decoding: give --speculate or --draft")
     if a.draft is None and getattr(a, "min_accept", "auto") not in ("auto", None):
         raise UsageError("--min-accept applies to speculative decoding: give --speculate or --draft")
-    if a.draft is None and a.ngram_branch:
+    if a.draft is None and a.ngram_branch is not None:
         raise UsageError("--ngram-branch adds to a draft's tree: give --speculate or --draft")
     if getattr(a, "spec_tiers", False) and (a.draft is None or a.num_steps or a.topk or a.num_draft_tokens
-                                           or a.ngram_branch):
+                                           or a.ngram_branch is not None):
         raise UsageError("--spec-tiers runs the shapes of a draft's spec_defaults: give --speculate or --draft, "
                          "without --num-steps / --topk / --num-draft-tokens / --ngram-branch")
     if a.draft is not None:
@@ -277,14 +278,14 @@ def check_model_arguments(a) -> None:
         try:
             if method != "ngram" and tree_flags == (None, None, None):
                 a.spec = None  # the LLM's default: the draft's spec_defaults, else a chain of 4
-                if a.ngram_branch:
+                if a.ngram_branch is not None:  # on top of the draft's spec_defaults (0: without theirs)
                     from specjax.llm import default_spec
                     a.spec = default_spec(a.draft, method, a.max_batch, ngram_branch=a.ngram_branch,
                                           ngram_max=a.ngram_max, ngram_min=a.ngram_min)
             else:
                 a.spec = SpecConfig(method=method, num_steps=a.num_steps or 4, topk=a.topk or 1,
                                     num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max,
-                                    ngram_min=a.ngram_min, ngram_branch=a.ngram_branch)
+                                    ngram_min=a.ngram_min, ngram_branch=a.ngram_branch or 0)
         except ValueError as e:
             raise UsageError(flag_message(str(e))) from None
 

@@ -118,7 +118,8 @@ BOUNDARY_STATS = ("admitted_ahead", "admit_ahead_misses", "held_back_steps")  # 
 
 def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: int | None = None,
              topk: int | None = None,
-             num_draft_tokens: int | None = None, ngram_max: int = 4, ngram_min: int = 1, ngram_branch: int = 0,
+             num_draft_tokens: int | None = None, ngram_max: int = 4, ngram_min: int = 1,
+             ngram_branch: int | None = None,
              max_batch: int = 1,
              max_tokens: int = MAX_TOKENS, dtype: str = "auto", max_seq_len: int = 2048,
              chat: bool | None = None, warmup_tokens: int = 8, min_accept="auto", draft_topk: str = "auto",
@@ -139,8 +140,8 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     if method == "ngram" or (num_steps, topk, num_draft_tokens) != (None, None, None):
         spec_cfg = SpecConfig(method=method, num_steps=num_steps or 4, topk=topk or 1,
                               num_draft_tokens=num_draft_tokens, ngram_max=ngram_max, ngram_min=ngram_min,
-                              ngram_branch=ngram_branch)
-    elif ngram_branch:  # the draft's spec_defaults with the branch
+                              ngram_branch=ngram_branch or 0)
+    elif ngram_branch is not None:  # the draft's spec_defaults with this branch (0: without theirs)
         from specjax.llm import default_spec
         spec_cfg = default_spec(draft, method, max_batch, ngram_branch=ngram_branch, ngram_max=ngram_max,
                                 ngram_min=ngram_min)
@@ -430,9 +431,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft tree size (default: num_steps for a chain, num_steps * topk for a tree)")
     p.add_argument("--ngram-max", type=int, default=4, help="n-gram drafter: longest suffix matched")
     p.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest suffix matched")
-    p.add_argument("--ngram-branch", type=int, default=0, metavar="L",
+    p.add_argument("--ngram-branch", type=int, default=None, metavar="L",
                    help="a model draft's tree: L nodes of the request's best n-gram continuation under the root "
-                        "(SpecConfig.ngram_branch; default 0: off)")
+                        "(SpecConfig.ngram_branch; default: the draft's spec_defaults without tree flags, else 0; "
+                        "0 turns a default branch off)")
     p.add_argument("--min-accept", type=min_accept_arg, default="auto", metavar="TAU",
                    help="acceptance gate of the speculative runs: plain (lite) steps while the measured tokens "
                    "per fused step stay below TAU ('none': always fused steps; default: the n-gram drafter's "

@@ -232,6 +232,13 @@ def test_ngram_branch_flag(tiny, monkeypatch, capsys):
     seen = llm_arguments(monkeypatch, ["generate", "--model", str(tiny), "--prompt", "w5", "--draft",
                                        str(DEFAULT_HEAD_DIR), "--num-steps", "3", "--topk", "2", "--ngram-branch", "2"])
     assert (seen["spec"].num_steps, seen["spec"].topk, seen["spec"].ngram_branch) == (3, 2, 2)
+    assert kw["ngram_branch"] == 7  # the shipped head's batch-1 default carries a branch; --ngram-branch 0: without
+    seen = llm_arguments(monkeypatch, ["generate", "--model", str(tiny), "--prompt", "w5", "--draft",
+                                       str(DEFAULT_HEAD_DIR), "--max-batch", "1", "--ngram-branch", "0"])
+    assert (seen["spec"].num_draft_tokens, seen["spec"].ngram_branch) == (kw["num_draft_tokens"], 0)
+    seen = llm_arguments(monkeypatch, ["generate", "--model", str(tiny), "--prompt", "w5", "--draft",
+                                       str(DEFAULT_HEAD_DIR), "--max-batch", "1"])
+    assert seen["spec"] is None  # no tree flags: the LLM takes the draft's spec_defaults, branch included
     monkeypatch.undo()
     assert "--ngram-branch adds to a draft's tree" in usage_error(capsys, ["generate", "--prompt", "hi",
                                                                            "--ngram-branch", "2"])
