@@ -1,8 +1,8 @@
 """Tree configuration grid for a draft head: tau and tokens/s of LLM.generate per (batch, num_steps,
-topk, num_draft_tokens), against plain decoding at the same batch, on held-out prompt sets.
+topk, num_draft_tokens[, ngram_branch]), against plain decoding at the same batch, on held-out prompt sets.
 
     python scripts/tree_grid.py --draft checkpoints/eagle3-smollm2-135m --batches 1,8,32 \
-        --configs 4:1:4,6:1:6,5:4:16,6:4:24,6:8:32,7:8:48,8:8:64 --per-set 6 --max-tokens 128 \
+        --configs 4:1:4,6:1:6,5:4:16,6:4:24,6:8:32,7:4:24:7,8:8:64 --per-set 6 --max-tokens 128 \
         --json grid.json --markdown grid.md --png grid.png [--write-best HEAD_DIR]
 
 Each configuration is one LLM (its programs compile in a warm-up generate that is not timed);
@@ -24,12 +24,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _configs(s: str) -> list[tuple[int, int, int]]:
+def _configs(s: str) -> list[tuple[int, int, int, int]]:
+    """"S:K:N[:L],..." -> [(num_steps, topk, num_draft_tokens, ngram_branch (L; 0 when not given))]."""
     out = []
     for part in s.split(","):
-        a, b, c = (int(x) for x in part.split(":"))
-        out.append((a, b, c))
+        xs = [int(x) for x in part.split(":")]
+        if len(xs) not in (3, 4):
+            raise ValueError(f"--configs: {part!r} is not num_steps:topk:num_draft_tokens[:ngram_branch]")
+        out.append((*xs, 0) if len(xs) == 3 else tuple(xs))
     return out
+
+
+def shape_name(r: dict) -> str:
+    """'7/4/24+7' (num_steps / topk / num_draft_tokens [+ ngram_branch])."""
+    b = r.get("ngram_branch", 0)
+    return f"{r['num_steps']}/{r['topk']}/{r['num_draft_tokens']}" + (f"+{b}" if b else "")
 
 
 def best_entry(r: dict):
@@ -38,7 +47,10 @@ def best_entry(r: dict):
     from specjax.checkpoint import PLAIN
     if r["tok_s"] <= r["plain_tok_s"]:
         return PLAIN
-    return {k: r[k] for k in ("num_steps", "topk", "num_draft_tokens")}
+    entry = {k: r[k] for k in ("num_steps", "topk", "num_draft_tokens")}
+    if r.get("ngram_branch"):
+        entry["ngram_branch"] = r["ngram_branch"]
+    return entry
 
 
 def request_count(num_prompts: int, batch: int) -> int:
@@ -57,13 +69,13 @@ def plot(rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     for B in sorted({r["batch"] for r in rows}):
         rs = [r for r in rows if r["batch"] == B]
-        ax.plot([f"{r['num_steps']}/{r['topk']}/{r['num_draft_tokens']}" for r in rs],
+        ax.plot([shape_name(r) for r in rs],
                 [r["speedup"] for r in rs], marker="o", label=f"batch {B}")
         for r in rs:
-            ax.annotate(f"τ {r['tau']:.2f}", (f"{r['num_steps']}/{r['topk']}/{r['num_draft_tokens']}", r["speedup"]),
+            ax.annotate(f"τ {r['tau']:.2f}", (shape_name(r), r["speedup"]),
                         textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set(xlabel="num_steps / topk / num_draft_tokens", ylabel="speed-up vs plain", title="tree grid")
+    ax.set(xlabel="num_steps / topk / num_draft_tokens [+ n-gram branch]", ylabel="speed-up vs plain", title="tree grid")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -107,7 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--configs", default="4:1:4,6:1:6,5:4:16,6:4:24,6:8:32,8:8:64",
-                   help="num_steps:topk:num_draft_tokens,...")
+                   help="num_steps:topk:num_draft_tokens[:ngram_branch],... (a 4th field: an n-gram branch "
+                        "of that many nodes in the tree, SpecConfig.ngram_branch)")
     p.add_argument("--per-set", type=int, default=6, help="prompts per prompt set")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
@@ -122,6 +135,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.tau_only and a.write_best:
         p.error("--write-best needs timings; it cannot be used with --tau-only")
+    try:
+        configs = _configs(a.configs)
+    except ValueError as e:
+        p.error(str(e))
     sets = load_sets(None, a.per_set)
     method = draft_method(a.draft)
     rows = []
@@ -140,14 +157,14 @@ def main(argv=None) -> int:
             plain_tps, _, n = _timed(plain, ids, params)
             print(f"[grid] batch {B}: plain {plain_tps:.0f} tok/s ({n} tokens)", flush=True)
         del plain
-        for steps, topk, ntok in _configs(a.configs):
-            cfg = SpecConfig(method=method, num_steps=steps, topk=topk, num_draft_tokens=ntok)
+        for steps, topk, ntok, branch in configs:
+            cfg = SpecConfig(method=method, num_steps=steps, topk=topk, num_draft_tokens=ntok, ngram_branch=branch)
             llm = LLM(a.model, dtype=a.dtype, max_batch=B, max_seq_len=a.max_seq_len, draft=a.draft, spec=cfg,
                       speculate_below=None)
-            row = {"batch": B, "num_steps": steps, "topk": topk, "num_draft_tokens": ntok}
+            row = {"batch": B, "num_steps": steps, "topk": topk, "num_draft_tokens": ntok, "ngram_branch": branch}
             if a.tau_only:  # one untimed call: its acceptance only
                 row.update(tau=round(_tau(llm.generate(ids, params)), 3), tok_s=None, plain_tok_s=None, speedup=None)
-                print(f"[grid] batch {B} steps {steps} topk {topk} tokens {ntok}: tau {row['tau']:.3f}", flush=True)
+                print(f"[grid] batch {B} tree {shape_name(row)}: tau {row['tau']:.3f}", flush=True)
             else:
                 llm.generate(ids, params)  # compile every bucket; the second pass compiles the prefill
                 llm.generate(ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # of cache hits
@@ -155,7 +172,7 @@ def main(argv=None) -> int:
                 attention = llm.engine.attention_name
                 row.update(tau=round(tau, 3), tok_s=round(tps, 1), plain_tok_s=round(plain_tps, 1),
                            speedup=round(tps / plain_tps, 3))
-                print(f"[grid] batch {B} steps {steps} topk {topk} tokens {ntok}: tau {tau:.2f}, {tps:.0f} tok/s, "
+                print(f"[grid] batch {B} tree {shape_name(row)}: tau {tau:.2f}, {tps:.0f} tok/s, "
                       f"x{tps / plain_tps:.2f}", flush=True)
             rows.append(row)
             del llm
@@ -165,9 +182,10 @@ def main(argv=None) -> int:
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
 
-    md = ["| batch | num_steps | topk | num_draft_tokens | τ | spec tok/s | plain tok/s | speed-up |",
-          "|---|---|---|---|---|---|---|---|"]
-    md += [f"| {r['batch']} | {r['num_steps']} | {r['topk']} | {r['num_draft_tokens']} | {r['tau']:.2f} | "
+    md = ["| batch | num_steps | topk | num_draft_tokens | n-gram branch | τ | spec tok/s | plain tok/s | speed-up |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r['batch']} | {r['num_steps']} | {r['topk']} | {r['num_draft_tokens']} | {r.get('ngram_branch', 0)} | "
+           f"{r['tau']:.2f} | "
            f"{num(r['tok_s'], '.0f')} | {num(r['plain_tok_s'], '.0f')} | {num(r['speedup'], '.2f')}{'' if r['speedup'] is None else 'x'} |" for r in rows]
     text = "\n".join(md)
     print(text)

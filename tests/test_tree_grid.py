@@ -1,6 +1,7 @@
 """scripts/tree_grid.py's timing: a generate call that compiled is repeated (with more requests
 than slots, an identical call can be admitted in another order and compile prefill shapes of
-prefix-cache hits), and a run where every call compiles is an error, not a figure."""
+prefix-cache hits), and a run where every call compiles is an error, not a figure. Its grid may
+carry n-gram branches (a 4th field), kept in the spec_defaults entry it writes."""
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-from tree_grid import _timed  # noqa: E402
+from tree_grid import _configs, _timed, best_entry, main, shape_name  # noqa: E402
 
 
 class FakeLLM:
@@ -51,3 +52,15 @@ def test_plot_writes_a_png(tmp_path):
     plot(rows, str(tmp_path / "g.png"))
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+
+def test_configs_with_an_ngram_branch(capsys):
+    assert _configs("5:4:16,7:4:24:7") == [(5, 4, 16, 0), (7, 4, 24, 7)]
+    row = {"num_steps": 7, "topk": 4, "num_draft_tokens": 24, "ngram_branch": 7, "tok_s": 3.0, "plain_tok_s": 1.0}
+    assert best_entry(row) == {"num_steps": 7, "topk": 4, "num_draft_tokens": 24, "ngram_branch": 7}
+    assert shape_name(row) == "7/4/24+7"
+    row["ngram_branch"] = 0
+    assert best_entry(row) == {"num_steps": 7, "topk": 4, "num_draft_tokens": 24} and shape_name(row) == "7/4/24"
+    with pytest.raises(SystemExit):
+        main(["--draft", "d", "--configs", "5:4"])
+    assert "'5:4' is not num_steps:topk:num_draft_tokens[:ngram_branch]" in capsys.readouterr().err
