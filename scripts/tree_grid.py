@@ -36,9 +36,9 @@ def _configs(s: str) -> list[tuple[int, int, int, int]]:
 
 
 def shape_name(r: dict) -> str:
-    """'7/4/24+7' (num_steps / topk / num_draft_tokens [+ ngram_branch])."""
-    b = r.get("ngram_branch", 0)
-    return f"{r['num_steps']}/{r['topk']}/{r['num_draft_tokens']}" + (f"+{b}" if b else "")
+    """A grid row's tree as '7/4/24+7' (rows of older JSONs have no ngram_branch)."""
+    from specjax.tree import shape_label
+    return shape_label(r["num_steps"], r["topk"], r["num_draft_tokens"], r.get("ngram_branch", 0))
 
 
 def best_entry(r: dict):

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import jax
 
-from specjax.tree import SpecConfig
+from specjax.tree import SpecConfig, shape_label
 
 
 class SpecTiers(NamedTuple):
@@ -74,8 +74,8 @@ class SpecTiers(NamedTuple):
 
 def describe(tiers: SpecTiers) -> str:
     """'>= 1 rows 7/4/24+7, >= 8 rows 5/4/16, ...' (num_steps / topk / num_draft_tokens [+ ngram_branch])."""
-    return ", ".join(f">= {b} rows {s.num_steps}/{s.topk}/{s.num_draft_tokens}"
-                     + (f"+{s.ngram_branch}" if s.ngram_branch else "") for b, s in zip(tiers.bounds, tiers.specs))
+    return ", ".join(f">= {b} rows {shape_label(s.num_steps, s.topk, s.num_draft_tokens, s.ngram_branch)}"
+                     for b, s in zip(tiers.bounds, tiers.specs))
 
 
 def narrow(state, spec: SpecConfig, num_nodes: int):

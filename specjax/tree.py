@@ -46,6 +46,11 @@ from specjax import topk as topk_lib
 SPEC_METHODS = ("draft", "eagle", "eagle3", "ngram")
 
 
+def shape_label(num_steps: int, topk: int, num_draft_tokens: int, ngram_branch: int = 0) -> str:
+    """'7/4/24+7': num_steps / topk / num_draft_tokens [+ ngram_branch], as logs and tables name a tree."""
+    return f"{num_steps}/{topk}/{num_draft_tokens}" + (f"+{ngram_branch}" if ngram_branch else "")
+
+
 def max_candidates(num_steps: int, topk: int) -> int:
     """Total number of EAGLE-2 candidates: ``topk + (num_steps - 1) * topk**2``."""
     return topk + (num_steps - 1) * topk * topk
