@@ -53,6 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mosaic_gpu import interpret_params, plgpu as _plgpu
+
 __all__ = [
     "IMPLS",
     "compact_moves",
@@ -224,11 +226,6 @@ def kv_compact_pallas(pages, page_table, start, accept_idx, num_accepted, *, int
 
 # ----------------------------------------------------------------------------- Mosaic GPU
 
-def _plgpu():
-    import jax.experimental.pallas.mosaic_gpu as plgpu  # imported lazily: GPU-only code path
-    return plgpu
-
-
 def _mosaic_body(A: int, row, layer, src_ref, dst_ref, page_refs, *scratch):
     """One CTA (one warpgroup) per (row b, layer g). src_ref, dst_ref: [B, A] int32 in GMEM
     (dst -1 = skip); page_refs: G x [N * ps, R, C] in GMEM; scratch: A SMEM slabs [R, C] and A
@@ -282,15 +279,6 @@ def _mosaic_check(flat, A: int):
                          f"the SMEM budget of {_SMEM_BUDGET} bytes")
 
 
-def _gpu_interpret_params():
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except ImportError as e:  # pragma: no cover - depends on the jax version
-        raise ValueError("kv_compact_mosaic(interpret=True) needs the Mosaic GPU interpreter "
-                         "(jax._src.pallas.mosaic_gpu.interpret), missing in this jax") from e
-    return InterpretGPUParams()
-
-
 def kv_compact_mosaic(pages, page_table, start, accept_idx, num_accepted, *, entry="kernel",
                       interpret=False):
     """Same contract as `kv_compact_reference`, as Mosaic GPU kernels (Hopper or newer), one launch
@@ -310,7 +298,7 @@ def kv_compact_mosaic(pages, page_table, start, accept_idx, num_accepted, *, ent
     if A == 0 or B == 0:
         return pages
     src, dst = _kernel_moves(page_table, start, accept_idx, num_accepted, pages[0].shape[1])
-    interp = _gpu_interpret_params() if interpret else None
+    interp = interpret_params("kv_compact_mosaic") if interpret else None
 
     def scratch(x):
         _, r, c = x.shape

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mosaic_gpu import interpret_params, plgpu as _plgpu
 from pallas_kernels.paged_attention import (NEG, Geometry, block_bounds, combine, geometry, group_queries, key_range,
                                             pack_block_rows, run_paged, split_range, ungroup, visible, visible_block)
 
@@ -44,11 +45,6 @@ __all__ = ["paged_attention_mosaic", "why_not_mosaic"]
 BLOCK_QS = (64, 128)  # wgmma M is 64; a warpgroup issues two of them for 128 rows
 MAX_SPLITS = 32
 TARGET_CTAS = 264  # CTAs resident at once on an H100 / H200: 132 SMs x 2 (SMEM ~100-112 KiB each)
-
-
-def _plgpu():
-    import jax.experimental.pallas.mosaic_gpu as plgpu  # imported lazily: GPU-only code path
-    return plgpu
 
 
 def why_not_mosaic(dtype, page_size: int, head_dim: int) -> str | None:
@@ -208,15 +204,6 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
     plgpu.wait_smem_to_gmem(0)
 
 
-def _interpret_params():
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except ImportError as e:  # pragma: no cover - depends on the jax version
-        raise ValueError("paged_attention_mosaic(interpret=True) needs the Mosaic GPU interpreter "
-                         "(jax._src.pallas.mosaic_gpu.interpret), missing in this jax") from e
-    return InterpretGPUParams()
-
-
 def auto_splits(g: Geometry, target_ctas: int = TARGET_CTAS) -> int:
     """Splits of each row's key range so that about target_ctas CTAs run (2 per SM on an H100 /
     H200: 112 KiB of SMEM each at 2 stages and 64 query rows), at most MAX_SPLITS. Independent of
@@ -269,7 +256,7 @@ def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages:
         pl.run_scoped(lambda *sc: _body(g, S, stages, dtype, interpret, W, pair, bounds_ref, pt_ref, q_ref, kv_ref,
                                         bits_ref, o_ref, lse_ref, sc), *scratch, **scoped)
 
-    kw = {} if not interpret else {"interpret": _interpret_params()}
+    kw = {} if not interpret else {"interpret": interpret_params("paged_attention_mosaic")}
     o, lse = pl.kernel(
         entry,
         out_type=[jax.ShapeDtypeStruct((g.B, g.Hkv, S, _out_rows(g), g.D), jnp.float32),

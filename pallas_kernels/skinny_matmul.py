@@ -31,16 +31,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mosaic_gpu import interpret_params, plgpu as _plgpu
+
 __all__ = ["skinny_matmul", "skinny_matmul_reference", "why_not_skinny", "auto_tiles"]
 
 TM, TK = 64, 64  # wgmma's M; the K rows of one weight tile (128 bytes of bf16: the swizzle width)
 MAX_ROWS = 64
 NUM_SMS = 132  # H100 / H200
-
-
-def _plgpu():
-    import jax.experimental.pallas.mosaic_gpu as plgpu  # imported lazily: GPU-only code path
-    return plgpu
 
 
 def skinny_matmul_reference(x, ws, out_dtype=None):
@@ -129,15 +126,6 @@ def _body(Mr, TN, S, kb_total, stages, tile_starts, x_ref, *refs):
             run(w_ref, pl.multiple_of((j - t0) * TN, TN))
 
 
-def _interpret_params():
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except ImportError as e:  # pragma: no cover - depends on the jax version
-        raise ValueError("skinny_matmul(interpret=True) needs the Mosaic GPU interpreter "
-                         "(jax._src.pallas.mosaic_gpu.interpret), missing in this jax") from e
-    return InterpretGPUParams()
-
-
 @functools.partial(jax.jit, static_argnames=("tn", "splits", "stages", "out_dtype", "interpret"))
 def skinny_matmul(x, ws, *, tn: int | None = None, splits: int | None = None, stages: int = 4, out_dtype=None,
                   interpret: bool = False):
@@ -174,7 +162,7 @@ def skinny_matmul(x, ws, *, tn: int | None = None, splits: int | None = None, st
     def entry(x_ref, *refs):
         pl.run_scoped(lambda *sc: _body(Mr, TN, S, K // TK, stages, tuple(starts), x_ref, *refs, *sc), *scratch)
 
-    kw = {} if not interpret else {"interpret": _interpret_params()}
+    kw = {} if not interpret else {"interpret": interpret_params("skinny_matmul")}
     out = pl.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((S, Mr, starts[-1] * TN), jnp.float32),

@@ -23,6 +23,7 @@ from pallas_kernels.kv_compact import (
     kv_compact_pallas,
     kv_compact_reference,
 )
+from pallas_kernels.mosaic_gpu import interpreter_available
 
 # trailing page shapes [2, Hkv, D] and dtypes of target / draft layers
 T32 = ((2, 2, 8), jnp.float32)
@@ -36,16 +37,7 @@ _pallas_jit = jax.jit(functools.partial(kv_compact_pallas, interpret=True))
 _mosaic_jit = jax.jit(functools.partial(kv_compact_mosaic, interpret=True))
 
 
-def _gpu_interpreter_available() -> bool:
-    try:
-        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_gpu_interpreter = pytest.mark.skipif(not _gpu_interpreter_available(),
+needs_gpu_interpreter = pytest.mark.skipif(not interpreter_available(),
                                            reason="no Mosaic GPU interpreter in this jax")
 
 
@@ -278,13 +270,13 @@ def test_out_of_capacity_moves_are_dropped():
     for before, r in zip(pages, ref):
         np.testing.assert_array_equal(as_f32(r), brute_force(before, table, start, acc, nacc))
     assert_bitwise(_pallas_jit(pages, table, start, acc, nacc), ref)
-    if _gpu_interpreter_available():
+    if interpreter_available():
         assert_bitwise(_mosaic_jit(pages, table, start, acc, nacc), ref)
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas", "mosaic"])
 def test_wrapper_dispatch_and_jit(impl):
-    if impl == "mosaic" and not _gpu_interpreter_available():
+    if impl == "mosaic" and not interpreter_available():
         pytest.skip("no Mosaic GPU interpreter in this jax")
     rng = np.random.default_rng(5)
     pages, table, start, acc, nacc = make_case(rng, B=2, layers=[T16, D32], page_size=4, A=5)

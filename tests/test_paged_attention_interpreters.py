@@ -16,20 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.mosaic_gpu import interpreter_available
 from pallas_kernels.paged_attention import paged_attention_reference
 from paged_cases import assert_valid_close, make_case, poison_dead_pages
 
 
-def _gpu_interpreter_available() -> bool:
-    try:
-        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_gpu_interpreter = pytest.mark.skipif(not _gpu_interpreter_available(),
+needs_gpu_interpreter = pytest.mark.skipif(not interpreter_available(),
                                            reason="no Mosaic GPU interpreter in this jax")
 
 

@@ -10,16 +10,8 @@ import numpy as np
 import pytest
 from jax import export
 
+from pallas_kernels.mosaic_gpu import interpreter_available
 from pallas_kernels.skinny_matmul import auto_tiles, skinny_matmul, skinny_matmul_reference, why_not_skinny
-
-
-def _gpu_interpreter_available() -> bool:
-    try:
-        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _case(seed, M, K, Ns):
@@ -29,7 +21,7 @@ def _case(seed, M, K, Ns):
     return x, ws
 
 
-@pytest.mark.skipif(not _gpu_interpreter_available(), reason="no Mosaic GPU interpreter in this jax")
+@pytest.mark.skipif(not interpreter_available(), reason="no Mosaic GPU interpreter in this jax")
 @pytest.mark.parametrize("M,K,Ns,tn,splits,stages", [
     (17, 256, (128, 64), 64, 3, 2),  # q/k-like pair in one launch; 4 K blocks in 3 uneven splits
     (1, 128, (128,), None, None, 4),  # one row; auto tiles; more stages than K blocks
