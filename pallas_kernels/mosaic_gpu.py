@@ -20,7 +20,7 @@ def interpreter_available() -> bool:
 
 
 def interpret_params(kernel: str):
-    """The interpreter's parameters for `kernel`(interpret=True); a ValueError naming the kernel where this
+    """The interpreter's parameters for `kernel(interpret=True)`; a ValueError naming the kernel where this
     jax has no interpreter."""
     try:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams

@@ -1,10 +1,13 @@
 """x @ [W_1 | W_2 | ...] for a few rows of x (a verify or draft forward: M <= 64 tokens), as a Mosaic
 GPU kernel (Hopper: TMA weight tiles into swizzled SMEM, wgmma), with its jnp reference.
 
-At M = 17 (a 16-node tree and its root) XLA's GEMMs of the 8B shape stream their weights ~10 % slower
-than at M = 1 (docs/benchmarks.md, "The 8B fused step with one row"), although they read the same
-bytes: the product is bandwidth-bound up to M ~ 200 on an H200. This kernel streams the weights once
-and computes on the tensor cores at M = 64 (the unused rows cost compute that hides under the copies):
+Written because the 8B verify forward over 17 tokens (a 16-node tree and its root) spent ~10 % more in
+its GEMMs than the forward over two rows (docs/benchmarks.md, "The 8B fused step with one row"), although
+they read the same bytes. Measured since (H200, scripts/bench_skinny_gemm.py; docs/benchmarks.md, "A
+skinny-M matmul for the verify forward"): XLA's GEMMs alone lose only 2-6 % at M = 17, and this kernel is
+1-13 % slower than XLA on the large weight groups (18-40 % on an EAGLE-3 head's q|k|v), so no model or
+dispatch point uses it. It streams the weights once and computes on the tensor cores at M = 64 (the
+unused rows cost compute that hides under the copies):
 
     x [M, K] -> padded to Mr = ceil(M / 8) * 8 rows (TMA lands whole 8-row SMEM tiles; the SMEM rows
                 past Mr hold whatever was there: row i of a product depends on row i of x only, so

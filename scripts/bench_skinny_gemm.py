@@ -62,6 +62,12 @@ def main():
                    "(per-column scales, converted in the dot): comma list of int8,fp8")
     p.add_argument("--no-kernel", action="store_true")
     a = p.parse_args()
+    quant = [q for q in a.quant.split(",") if q]
+    if set(quant) - {"int8", "fp8"}:
+        p.error(f"--quant takes int8 and / or fp8, got {a.quant!r}")
+    unknown = set(a.groups.split(",")) - set(groups(shape_config(a.shape)))
+    if unknown:
+        p.error(f"--groups: unknown {sorted(unknown)}; known: {sorted(groups(shape_config(a.shape)))}")
     cfg = shape_config(a.shape)
     dt = jnp.bfloat16
     key = jax.random.PRNGKey(0)
@@ -85,7 +91,7 @@ def main():
             sc = jnp.maximum(amax, 1e-12) / 448.0
             return (w / sc).astype(jnp.float8_e4m3fn), sc.astype(dt)
 
-        qws = {qn: [[quantize(w, qn) for w in wc] for wc in ws] for qn in a.quant.split(",") if qn}
+        qws = {qn: [[quantize(w, qn) for w in wc] for wc in ws] for qn in quant}
 
         def xla_q(xs, qws):
             return [[(jnp.einsum("te,ef->tf", x, q.astype(dt), preferred_element_type=jnp.float32) * sc).astype(dt)
@@ -100,7 +106,7 @@ def main():
             res = {"group": name, "K": K, "N": Ns, "M": M, "copies": copies, "weights_mb": round(nbytes / 1e6, 1)}
             t = timed(jax.jit(xla), (xs, ws), a.steps) / copies
             res["xla_us"], res["xla_gbs"] = round(t * 1e6, 2), round(nbytes / t / 1e9, 1)
-            for qn in [q for q in a.quant.split(",") if q]:
+            for qn in quant:
                 t = timed(jax.jit(xla_q), (xs, qws[qn]), a.steps) / copies
                 res[f"xla_{qn}_us"] = round(t * 1e6, 2)
                 res[f"xla_{qn}_gbs_bf16_equiv"] = round(nbytes / t / 1e9, 1)

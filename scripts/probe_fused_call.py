@@ -3,7 +3,9 @@
     python3 scripts/probe_fused_call.py --model DIR [--draft DIR] [--steps-per-call 4] [--prompts 8] [--max-tokens 128]
 
 Runs `LLM.generate` (batch 1, greedy, EOS ignored) twice over the same prompts and reports, for the
-second call: wall µs per fused step, the engine's host dispatch ms per decode call (Engine.stats), and,
+second call: wall µs per fused step, the engine's host dispatch time per decode call (Engine.stats'
+dispatch phase, which also holds the call's prefill dispatches, one per request: the figure is an upper
+bound), and,
 from XLA's optimized HLO of the fused program (dumped to a temporary directory before jax starts),
 how many while loops it has and how many kernels (fusions, custom calls) its entry computation and its
 loop bodies launch. Run it under different XLA_FLAGS (e.g. --xla_gpu_enable_while_loop_unrolling=...)
@@ -21,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-DUMP = tempfile.mkdtemp(prefix="specjax_fused_hlo_")
+DUMP = None
 if __name__ == "__main__":  # before jax starts
+    DUMP = tempfile.mkdtemp(prefix="specjax_fused_hlo_")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text").strip()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -82,8 +85,8 @@ def main():
     res = {"xla_flags": os.environ.get("XLA_FLAGS", "").replace(f"--xla_dump_to={DUMP}", "").strip(),
            "device": str(jax.devices()[0].device_kind), "wall_s": round(wall, 4), "fused_steps": steps,
            "decode_calls": calls, "us_per_fused_step": round(1e6 * wall / max(steps, 1), 1),
-           "host_dispatch_ms_per_call": round(1e3 * d.get("host_dispatch_s", 0) / max(calls, 1), 3),
-           "host_read_ms_per_call": round(1e3 * d.get("host_read_s", 0) / max(calls, 1), 3)}
+           "host_dispatch_ms_per_decode_call_incl_prefills": round(1e3 * d.get("host_dispatch_s", 0) / max(calls, 1), 3),
+           "host_read_ms_per_decode_call": round(1e3 * d.get("host_read_s", 0) / max(calls, 1), 3)}
     files = sorted(glob.glob(os.path.join(DUMP, "*jit_fused*after_optimizations.txt")))
     res["fused_modules"] = [dict(file=os.path.basename(f)[:60], **hlo_summary(Path(f).read_text())) for f in files]
     print(json.dumps(res), flush=True)

@@ -81,19 +81,32 @@ def test_refuses_bad_tiles_and_mismatched_weights():
         skinny_matmul(x, (jnp.zeros((64, 128), jnp.bfloat16),), interpret=True)
 
 
-def test_benchmark_script_times_xla_and_quantized_weights(capsys):
+def test_benchmark_script_times_xla_and_quantized_weights(capsys, monkeypatch):
     """scripts/bench_skinny_gemm.py on the CPU (the kernel itself needs a GPU): one JSON line per group and
     row count, with int8 / fp8 weights within their rounding of the bf16 product."""
     import json
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
     import bench_skinny_gemm
-    sys.argv = ["bench_skinny_gemm.py", "--shape", "tiny", "--rows", "2,17", "--groups", "qkv,down", "--steps", "1",
-                "--budget-mb", "1", "--quant", "int8,fp8", "--no-kernel"]
+    monkeypatch.setattr(sys, "argv", ["bench_skinny_gemm.py", "--shape", "tiny", "--rows", "2,17", "--groups",
+                                      "qkv,down", "--steps", "1", "--budget-mb", "1", "--quant", "int8,fp8",
+                                      "--no-kernel"])
     bench_skinny_gemm.main()
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [(r["group"], r["M"]) for r in rows] == [("qkv", 2), ("qkv", 17), ("down", 2), ("down", 17)]
     for r in rows:
         assert r["xla_us"] > 0 and r["xla_int8_us"] > 0 and r["xla_fp8_us"] > 0
         assert 0 < r["int8_rel_err"] < 0.02 and 0 < r["fp8_rel_err"] < 0.06
+
+
+@pytest.mark.parametrize("flag,value", [("--quant", "int4"), ("--groups", "qkv,attn")])
+def test_benchmark_script_refuses_unknown_names(flag, value, monkeypatch):
+    import sys
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_skinny_gemm
+    monkeypatch.setattr(sys, "argv", ["bench_skinny_gemm.py", "--shape", "tiny", "--no-kernel", flag, value])
+    with pytest.raises(SystemExit) as e:
+        bench_skinny_gemm.main()
+    assert e.value.code == 2
