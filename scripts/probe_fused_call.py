@@ -66,6 +66,8 @@ def main():
     p.add_argument("--steps-per-call", type=int, default=None)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--lock", default=None, help="a file to hold (flock) for the timed call, so that probes under "
+                   "several XLA_FLAGS compile side by side on one machine and time one at a time")
     a = p.parse_args()
     draft = a.draft or str(Path(__file__).resolve().parents[1] / "specjax/assets/eagle3-smollm2-135m")
     kw = {} if a.steps_per_call is None else {"spec_steps_per_call": a.steps_per_call}
@@ -74,11 +76,17 @@ def main():
     prompts = [f"Write a short note number {i} about the weather, the sea and the mountains." for i in range(a.prompts)]
     llm.generate(prompts, sp)
     eng = llm.engine
+    lock = open(a.lock, "a") if a.lock else None
+    if lock is not None:
+        import fcntl
+        fcntl.flock(lock, fcntl.LOCK_EX)
     s0 = dict(eng.stats())
     t = time.perf_counter()
     llm.generate(prompts, sp)
     wall = time.perf_counter() - t
     s1 = eng.stats()
+    if lock is not None:
+        lock.close()
     d = {k: s1[k] - s0.get(k, 0) for k in s1 if isinstance(s1[k], (int, float)) and not isinstance(s1[k], bool)}
     calls = sum(v for k, v in d.items() if k.endswith("_dispatches") and k != "gated_dispatches")
     steps = d.get("spec_dispatch_steps", 0)
@@ -88,7 +96,8 @@ def main():
            "host_dispatch_ms_per_decode_call_incl_prefills": round(1e3 * d.get("host_dispatch_s", 0) / max(calls, 1), 3),
            "host_read_ms_per_decode_call": round(1e3 * d.get("host_read_s", 0) / max(calls, 1), 3)}
     files = sorted(glob.glob(os.path.join(DUMP, "*jit_fused*after_optimizations.txt")))
-    res["fused_modules"] = [dict(file=os.path.basename(f)[:60], **hlo_summary(Path(f).read_text())) for f in files]
+    res["fused_modules"] = [dict(file=os.path.basename(f)[:60], command_buffer_lines=Path(f).read_text().count(
+        "command_buffer"), **hlo_summary(Path(f).read_text())) for f in files]
     print(json.dumps(res), flush=True)
 
 

@@ -56,3 +56,35 @@ ENTRY %main.2 (x: f32[4]) -> f32[4] {
     s = mod.hlo_summary(compiled)
     assert s["while_loops"] >= 1 and all(k >= 1 for k in s["body_kernels"])
     assert mod.hlo_summary(jax.jit(lambda x: jnp.tanh(x) * 2).lower(jnp.ones(8)).compile().as_text())["while_loops"] == 0
+
+
+def test_engine_timeline_probe_records_every_step_of_the_timed_call(tmp_path):
+    """scripts/probe_engine_timeline.py on a tiny model: one row per Engine.step() of the second generate call,
+    whose prefills and finished requests add up to the prompts, and totals that split the steps' time."""
+    from tiny_dir import make_tiny_model_dir
+
+    mod = load_script("probe_engine_timeline")
+    d = make_tiny_model_dir(tmp_path / "m")
+    res = mod.main(["--model", str(d), "--draft", "ngram", "--prompts", "3", "--max-tokens", "12",
+                    "--dtype", "float32", "--show", "5"])
+    allr = res["all"]
+    assert allr["prefills"] == 3 and allr["decode_dispatches"] > 0 and res["finished"] == 3 and res["steps"] == allr["steps"]
+    assert res["boundary"]["steps"] + res["inner"]["steps"] == res["steps"] and res["boundary"]["prefills"] == 3
+    assert 0 < allr["step_s"] <= res["wall_s"] and allr["read_wait_s"] + allr["dispatch_s"] <= allr["step_s"]
+    assert abs(allr["step_s"] + allr["between_steps_s"] - res["wall_s"]) < 1e-3
+    assert len(res["repeat_wall_s"]) == 1 and res["repeat_wall_s"][0] >= res["wall_s"] and len(res["tokens_sha1"]) == 12
+
+
+def test_engine_timeline_device_gaps_merge_overlaps_and_sum_gaps_by_programs():
+    mod = load_script("probe_engine_timeline")
+    us = 1000
+    iv = [(0, 100 * us, "jit_fused"), (50 * us, 120 * us, "jit_fused"),  # overlapping: one busy stretch
+          (130 * us, 200 * us, "jit_fused"),  # 10 us gap: under the 20 us floor
+          (500 * us, 600 * us, "jit_prefill"),  # 300 us gap fused -> prefill
+          (650 * us, 700 * us, "jit_fused")]  # 50 us gap prefill -> fused
+    d = mod.device_gaps(iv)
+    assert d["kernels"] == 5 and d["span_ms"] == 0.7 and d["busy_ms"] == 0.34 and d["idle_ms"] == 0.36
+    assert d["idle_ms_in_gaps_over_20us"] == 0.35
+    assert d["gaps_over_20us_by_programs"] == {"jit_fused -> jit_prefill": {"n": 1, "ms": 0.3},
+                                               "jit_prefill -> jit_fused": {"n": 1, "ms": 0.05}}
+
