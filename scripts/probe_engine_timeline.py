@@ -2,17 +2,19 @@
 
     python3 scripts/probe_engine_timeline.py --model DIR [--draft DIR] [--prompts 8] [--max-tokens 128] [--show 40]
 
-Runs `LLM.generate` (one slot unless --max-batch, greedy, EOS ignored) twice over the same prompts and records, for every
-`Engine.step()` of the second call: when it started, how long it took, its host phases (read = waiting for a
-dispatch's outputs, dispatch, accept, ...; specjax.host_timing), what it dispatched (prefills, decode
-dispatches by kind) and how many requests finished in it; and the gap to the next step() (the caller's
-loop: LLM.generate's own work). Prints the first --show steps as a table and one JSON line of totals:
-wall, time in read waits, in dispatch calls, in the rest of step(), between steps; the same split for
-the steps that start or end a request (its prefill, its last read) and for the others.
+Runs `LLM.generate` (one slot unless --max-batch, greedy, EOS ignored) twice over the same prompts and
+records, for every `Engine.step()` of the second call: when it started, how long it took, its host phases
+(read = waiting for a dispatch's outputs, dispatch, accept, ...; specjax.host_timing), what it dispatched
+(prefills, decode dispatches by kind) and how many requests finished in it; and the gap to the next step()
+(the caller's loop: LLM.generate's own work). Prints the first --show steps as a table and one JSON line of
+totals: wall, time in read waits, in dispatch calls, in the rest of step(), between steps; the same split
+for the steps that start or end a request (its prefill, its last read) and for the others.
 
-Reading it: while the host waits in `read` the device is busy; host time outside read waits is hidden
-only while dispatches are queued ahead of the device, so large non-read time at a request's boundary is
-device idle time.
+Reading it: while the host waits in `read` the device is busy, and so it may be during `dispatch`: on an
+H200 a fused dispatch's call blocks while earlier work fills the device's launch queue (its time falls when
+the read before it waited longer), so a loop whose steps take the device time of their dispatches is
+device-bound even with little read time (docs/benchmarks.md, session 34). --trace adds the device's idle
+gaps from a jax.profiler trace, but the tracer's own cost per launch inflates the loop (2x there).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PHASES = ("read", "accept", "masks", "drafts", "dispatch")
+from specjax.host_timing import PHASES  # noqa: E402
 
 
 class Timeline:
