@@ -39,7 +39,7 @@ class Timeline:
     """Wraps an engine's step() and _prefill() and records one row per step()."""
 
     def __init__(self, eng):
-        self.eng, self.rows, self.on = eng, [], False
+        self.rows, self.on = [], False
         self._prefills = 0
         step, prefill = eng.step, eng._prefill
 

@@ -96,8 +96,9 @@ def main():
            "host_dispatch_ms_per_decode_call_incl_prefills": round(1e3 * d.get("host_dispatch_s", 0) / max(calls, 1), 3),
            "host_read_ms_per_decode_call": round(1e3 * d.get("host_read_s", 0) / max(calls, 1), 3)}
     files = sorted(glob.glob(os.path.join(DUMP, "*jit_fused*after_optimizations.txt")))
-    res["fused_modules"] = [dict(file=os.path.basename(f)[:60], command_buffer_lines=Path(f).read_text().count(
-        "command_buffer"), **hlo_summary(Path(f).read_text())) for f in files]
+    texts = {f: Path(f).read_text() for f in files}
+    res["fused_modules"] = [dict(file=os.path.basename(f)[:60], command_buffer_lines=t.count("command_buffer"),
+                                 **hlo_summary(t)) for f, t in texts.items()]
     print(json.dumps(res), flush=True)
 
 
