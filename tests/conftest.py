@@ -57,11 +57,11 @@ def pytest_sessionfinish(session, exitstatus):
 # alone on one core at the end of the run (its last ~5 % took ~11 minutes). Other files follow in
 # their usual order; a name missing here only loses its place.
 HEAVY_FIRST = ("test_grammar_engine.py", "test_device_dfa.py", "test_spec_tiers.py", "test_cli_llm.py",
-               "test_sharding_spec.py", "test_spec_smollm2.py", "test_json_schema_dfa.py",
-               "test_paged_attention_interpreters.py", "test_scheduler_spec.py", "test_grammar_smollm2.py",
+               "test_sharding_spec.py", "test_spec_smollm2.py", "test_grammar_smollm2.py",
+               "test_paged_attention_interpreters.py", "test_scheduler_spec.py",
                "test_train.py", "test_eval.py", "test_spec_eagle.py", "test_tree.py", "test_adaptive_spec.py",
                "test_server_spec.py", "test_prefix_chunk_smollm2.py", "test_adaptive_steps.py",
-               "test_bench_dfa_mask.py", "test_server.py")
+               "test_bench_dfa_mask.py", "test_server.py", "test_json_schema_dfa.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

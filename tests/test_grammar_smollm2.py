@@ -2,7 +2,9 @@
 schema outputs (nested objects, enums, arrays, bounded numbers) parse and validate, regex and
 choice hold; plain decoding gives the same tokens with the grammar overlap on and off; tree
 speculation (a 2-layer draft cut from the model itself) gives the plain tokens with the grammar
-overlap on and off; streaming deltas concatenate to the text; bad requests fail
+overlap on and off; under a device-DFA JSON schema, plain and tree-speculative outputs are the same
+with the device DFA on and off (the real-model check of tests/test_json_schema_dfa.py, here to share
+this file's engines); streaming deltas concatenate to the text; bad requests fail
 alone; the CLI turns --json-schema / --regex / --grammar / --choice and per-line keys into
 constraints."""
 from __future__ import annotations
@@ -59,6 +61,13 @@ def prompts(llm):
 
 
 @pytest.fixture(scope="module")
+def spec(llm):
+    """The tree-speculative LLM of the tests below, built (and its programs compiled) once; each test
+    sets the scheduler options it runs with."""
+    return _spec_llm(llm, SchedulerOptions())
+
+
+@pytest.fixture(scope="module")
 def plain(llm, prompts):
     return llm.generate(prompts, [params(i) for i in range(4)])
 
@@ -98,14 +107,47 @@ def _spec_llm(llm, sched):
     return other
 
 
-def test_tree_speculation_with_grammars_equals_plain(llm, prompts, plain):
-    spec = _spec_llm(llm, SchedulerOptions(overlap=True))
+def test_tree_speculation_with_grammars_equals_plain(spec, prompts, plain):
+    spec.engine.opts = SchedulerOptions(overlap=True)
     got = spec.generate(prompts, [params(i) for i in range(4)])
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
     assert any(t > 1 for o in got for t in [o.accept_len_mean]), [o.accept_len_mean for o in got]
     spec.engine.opts = SchedulerOptions(overlap=False)  # reference: masks first, then the fused step
     again = spec.generate(prompts, [params(i) for i in range(4)])
     assert [o.token_ids for o in again] == [o.token_ids for o in plain]
+
+
+# a schema the device DFA takes (SCHEMA's bounded number does not)
+DFA_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "owl"]},
+                                             "legs": {"type": "integer", "minimum": 0, "maximum": 8}},
+            "required": ["kind", "legs"]},
+    "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 3}},
+    "required": ["name", "age", "pet", "hobbies"]}
+
+
+def test_json_schema_device_dfa_equals_host_path(llm, spec):
+    """Greedy outputs under a schema with the device DFA are the host path's, plain and
+    tree-speculative, and valid JSON."""
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("Describe a person with a pet as JSON.", "Invent a character who loves owls, as JSON.")]
+    params = SamplingParams(max_tokens=110, temperature=0.0, json_schema=DFA_SCHEMA)
+    runs = {}
+    try:
+        for name, m in (("plain", llm), ("tree", spec)):
+            for dfa in (False, True):
+                m.engine.opts = SchedulerOptions(device_dfa=dfa)
+                runs[name, dfa] = m.generate(prompts, [params] * 2)
+    finally:  # the other tests' engines run with the default options
+        llm.engine.opts = SchedulerOptions()
+    for (name, dfa), outs in runs.items():
+        assert [o.token_ids for o in outs] == [o.token_ids for o in runs["plain", False]], (name, dfa)
+        assert all(o.constraint_path == ("device_dfa" if dfa else "host_grammar") for o in outs)
+    for o in runs["plain", True]:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), DFA_SCHEMA)
+    assert any(o.accept_len_mean > 1 for o in runs["tree", True])
 
 
 def test_plain_overlap_off_gives_the_same_tokens(llm, prompts, plain):
