@@ -204,13 +204,14 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
     plgpu.wait_smem_to_gmem(0)
 
 
-def auto_splits(g: Geometry, target_ctas: int = TARGET_CTAS) -> int:
+def auto_splits(g: Geometry, target_ctas: int = TARGET_CTAS, max_splits: int | None = None) -> int:
     """Splits of each row's key range so that about target_ctas CTAs run (2 per SM on an H100 /
-    H200: 112 KiB of SMEM each at 2 stages and 64 query rows), at most MAX_SPLITS. Independent of
-    the capacity: a split beyond a row's live blocks exits at once, and the partials written do
-    not grow with max_seq_len."""
+    H200: 112 KiB of SMEM each at 2 stages and 64 query rows), at most max_splits (None:
+    MAX_SPLITS). Independent of the capacity: a split beyond a row's live blocks exits at once, and
+    the partials written do not grow with max_seq_len; but each split costs the combine, so a
+    caller that knows its rows are short passes a lower max_splits (specjax.attention.split_cap)."""
     ctas = g.B * g.Hkv * g.num_q_blocks  # a paired CTA counts twice: it holds two blocks' work
-    return int(max(1, min(-(-target_ctas // max(ctas, 1)), MAX_SPLITS)))
+    return int(max(1, min(-(-target_ctas // max(ctas, 1)), max_splits or MAX_SPLITS)))
 
 
 def can_pair(g: Geometry) -> bool:
@@ -228,10 +229,10 @@ def auto_pair(g: Geometry) -> bool:
 
 
 def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages: int, interpret: bool, bits=None,
-           W: int = 0, pair: bool = False):
+           W: int = 0, pair: bool = False, max_splits: int | None = None):
     plgpu = _plgpu()
     dtype = qg.dtype
-    S = num_splits or auto_splits(g)
+    S = num_splits or auto_splits(g, max_splits=max_splits)
     BQ, BK = g.block_q, _block_kv(g.ps)
     swz = 128
     tr = (plgpu.TilingTransform((8, swz // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swz))
@@ -271,10 +272,11 @@ def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages:
 def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=None, *, sliding_window=None,
                            scale=None, mask_start=None, num_splits: int | None = None, stages: int = 2,
                            block_q: int | None = None, block_kv: int | None = None, interpret: bool = False,
-                           block_in_kernel: bool = True, pair_blocks: bool | None = None):
+                           block_in_kernel: bool = True, pair_blocks: bool | None = None,
+                           max_splits: int | None = None):
     """Same contract as `paged_attention_reference`, as a Mosaic GPU kernel (Hopper) that reads
     only the live key blocks of each row. num_splits: splits of each row's key range (None: about
-    two CTAs per SM, see auto_splits); stages: key blocks in flight per CTA; block_q: 64 or 128
+    two CTAs per SM, see auto_splits, at most max_splits); stages: key blocks in flight per CTA; block_q: 64 or 128
     query rows per CTA (None: 64 up to 128 rows per KV head (a 17-node tree: two CTAs), else 128); block_kv is
     max(64, page_size) (other values are an error); interpret: run in the Mosaic GPU interpreter
     on CPU (slow; for tests). block_in_kernel: a block mask (tree verify, draft growth) is applied
@@ -296,7 +298,8 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
         raise ValueError(f"paged_attention_mosaic: pair_blocks needs two 64-row query blocks, got {g.R} rows "
                          f"in blocks of {block_q}")
     pair = auto_pair(g) if pair_blocks is None else bool(pair_blocks)
-    fn = functools.partial(_paged, num_splits=num_splits, stages=stages, interpret=interpret, pair=pair)
+    fn = functools.partial(_paged, num_splits=num_splits, stages=stages, interpret=interpret, pair=pair,
+                           max_splits=max_splits)
     if block_mask is None or not block_in_kernel:
         return run_paged(fn, q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g)
     bounds = block_bounds(q_start, kv_len, mask_start, g)

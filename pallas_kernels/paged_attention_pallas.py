@@ -70,12 +70,12 @@ def _kernel(g: Geometry, BK: int, S: int, prec, bounds_ref, pt_ref, q_ref, kv_re
 MAX_SPLITS = 32
 
 
-def auto_splits(g: Geometry, target_programs: int = 264) -> int:
+def auto_splits(g: Geometry, target_programs: int = 264, max_splits: int | None = None) -> int:
     """Splits of each row's key range so that about target_programs programs run (2 per SM on an
-    H100 / H200), at most MAX_SPLITS; independent of the capacity (a split past a row's live
-    blocks ends at once)."""
+    H100 / H200), at most max_splits (None: MAX_SPLITS); independent of the capacity (a split past
+    a row's live blocks ends at once)."""
     programs = g.B * g.Hkv * g.num_q_blocks
-    return int(max(1, min(-(-target_programs // max(programs, 1)), MAX_SPLITS)))
+    return int(max(1, min(-(-target_programs // max(programs, 1)), max_splits or MAX_SPLITS)))
 
 
 def _triton_params():
@@ -86,10 +86,11 @@ def _triton_params():
         return None
 
 
-def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, block_kv: int, num_splits, interpret: bool):
+def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, block_kv: int, num_splits, interpret: bool,
+           max_splits: int | None = None):
     N = kv_pages.shape[0]
     flat = kv_pages.reshape(N * g.ps, 2, g.Hkv, g.D)
-    S = num_splits or auto_splits(g)
+    S = num_splits or auto_splits(g, max_splits=max_splits)
     BQ = g.block_q
 
     def whole(x):
@@ -114,18 +115,19 @@ def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, block_kv: int, num_
 
 def paged_attention_pallas(q, kv_pages, page_table, q_start, kv_len, block_mask=None, *, sliding_window=None,
                            scale=None, mask_start=None, block_q: int | None = None, block_kv: int = 32,
-                           num_splits: int | None = None, interpret: bool = False):
+                           num_splits: int | None = None, interpret: bool = False, max_splits: int | None = None):
     """Same contract as `paged_attention_reference`; reads only the live key blocks of each row.
 
     block_q: query rows (t * G + g) per program (default: all rows of a KV head up to 64, at least
     16, a power of two); block_kv: keys per loop step (a power of two >= 16 for Triton's dot);
     num_splits: splits of each row's key range (None: enough programs to fill a GPU, see
-    auto_splits); interpret: run in the Pallas interpreter (CPU tests).
+    auto_splits, at most max_splits); interpret: run in the Pallas interpreter (CPU tests).
     """
     B, T, H, _ = q.shape
     R = T * (H // kv_pages.shape[3])
     if block_q is None:
         block_q = max(16, min(64, pl.next_power_of_2(R)))
     g = geometry(q, kv_pages, page_table, block_q, sliding_window, scale)
-    fn = functools.partial(_paged, block_kv=block_kv, num_splits=num_splits, interpret=interpret)
+    fn = functools.partial(_paged, block_kv=block_kv, num_splits=num_splits, interpret=interpret,
+                           max_splits=max_splits)
     return run_paged(fn, q, kv_pages, page_table, q_start, kv_len, block_mask, mask_start, g)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import sys
@@ -39,8 +40,9 @@ def timed_chain(case, num_splits, layers, reps, interpret):
     import jax.numpy as jnp
 
     from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic
-    attn = functools.partial(paged_attention_mosaic, num_splits=num_splits, interpret=interpret,
-                             mask_start=case.mask_start)
+    # lowered once for all the chain's call sites, as the model's layers share one (specjax.attention)
+    attn = jax.jit(functools.partial(paged_attention_mosaic, num_splits=num_splits, interpret=interpret,
+                                     mask_start=case.mask_start))
 
     @jax.jit
     def run(q, kv, table, q_start, kv_len, block_mask):
@@ -66,27 +68,34 @@ def main(argv=None) -> int:
     p.add_argument("--splits", default="4,8,16,32")
     p.add_argument("--contexts", default="300,4000")
     p.add_argument("--shapes", default="smollm2,llama3.1-8b")
+    p.add_argument("--modes", default="verify", help="verify (a tree of --verify-nodes tokens), grow (a draft "
+                   "level: --grow-queries tokens against the prefix and the tree so far)")
+    p.add_argument("--verify-nodes", type=int, default=17)
+    p.add_argument("--grow-queries", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2, help="rows (2: one row and the engine's padding row)")
     p.add_argument("--layers", type=int, default=10)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--interpret", action="store_true")
     p.add_argument("--json")
     a = p.parse_args(argv)
     rows = []
-    for shape in a.shapes.split(","):
+    for shape, mode in itertools.product(a.shapes.split(","), a.modes.split(",")):
+        T = {"verify": a.verify_nodes, "grow": a.grow_queries}[mode]
         for ctx in (int(c) for c in a.contexts.split(",")):
-            cfg = dict(name=f"{shape}-verify-ctx{ctx}", mode="verify", T=17, ps=16, dtype="bfloat16", batch=2,
+            cfg = dict(name=f"{shape}-{mode}-ctx{ctx}", mode=mode, T=T, ps=16, dtype="bfloat16", batch=a.batch,
                        context=ctx, cap=max(1024, 2 * ctx + 64), clamped_pad=True, **SHAPES[shape])
             case = make(cfg)
-            row = dict(shape=shape, context=ctx)
+            row = dict(shape=shape, mode=mode, T=T, context=ctx)
             for s in (int(x) for x in a.splits.split(",")):
                 row[f"splits{s}_us"] = round(timed_chain(case, s, a.layers, a.reps, a.interpret), 2)
             print(json.dumps(row), flush=True)
             rows.append(row)
     keys = [k for k in rows[0] if k.endswith("_us")]
-    print("| shape | context | " + " | ".join(k[:-3] + " (us)" for k in keys) + " |")
-    print("|---|---|" + "---|" * len(keys))
+    print("| shape | mode (T) | context | " + " | ".join(k[:-3] + " (us)" for k in keys) + " |")
+    print("|---|---|---|" + "---|" * len(keys))
     for r in rows:
-        print(f"| {r['shape']} | {r['context']} | " + " | ".join(f"{r[k]:.2f}" for k in keys) + " |")
+        print(f"| {r['shape']} | {r['mode']} ({r['T']}) | {r['context']} | "
+              + " | ".join(f"{r[k]:.2f}" for k in keys) + " |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -20,8 +20,10 @@ With tensor parallelism (a mesh) the kernels are not used yet (they are not wrap
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +49,41 @@ class AttnImpl:
     block_q: int | None = None  # kernel tuning knobs (None: the kernel's default)
     block_kv: int | None = None
     num_splits: int | None = None
+    max_splits: int | None = None  # at most this many splits where num_splits is None (split_cap)
 
 
 REFERENCE = AttnImpl()
+
+# Split caps by context (H200, SmolLM2 + its head at batch 1, docs/benchmarks.md, session 35): every split
+# of a row's keys costs the combine's reads, so short rows are faster with fewer splits: `specjax eval`
+# at batch 1 ran 1 278-1 310 us per fused step with at most 8 splits where rows stay <= 1 024 keys, against
+# 1 352 us with the auto 32 (same machine). Past ~1 024 keys 8 splits stop paying (a sweep of one call:
+# about even at 1 024, slower at 2 048-4 096, where a split walks many key blocks in order), so the cap
+# follows the live context: the engine compiles fused programs with and without it (Engine._split_flags).
+SHORT_CONTEXT = 1024  # keys: rows no longer than this take at most SHORT_SPLITS splits
+SHORT_SPLITS = 8
+SHORT_ROWS = 4  # dispatches of more rows keep the kernels' own count (auto: near or below 8 already)
+SPLIT_KERNELS = ("mosaic_gpu", "pallas")  # the implementations that split a row's keys
+_cap = threading.local()
+
+
+def split_cap(context: int, rows: int) -> int | None:
+    """The most splits for attention over `rows` rows of at most `context` keys (None: the kernel's
+    own count)."""
+    return SHORT_SPLITS if context <= SHORT_CONTEXT and rows <= SHORT_ROWS else None
+
+
+@contextlib.contextmanager
+def splits_at_most(n: int | None):
+    """While a program is traced: the split-capable kernels it calls split a row's keys at most n
+    ways (None: no cap). A program compiled under a cap is a program of its own (callers pass n as a
+    static argument); outputs do not depend on the split count beyond float rounding."""
+    before = getattr(_cap, "n", None)
+    _cap.n = n
+    try:
+        yield
+    finally:
+        _cap.n = before
 
 
 def paged_attention_cudnn(q, kv_pages, page_table, q_start, kv_len, block_mask=None,
@@ -70,7 +104,8 @@ def paged_attention_cudnn(q, kv_pages, page_table, q_start, kv_len, block_mask=N
 
 
 def _tuning(impl: AttnImpl) -> dict:
-    kw = {k: getattr(impl, k) for k in ("block_q", "block_kv", "num_splits") if getattr(impl, k) is not None}
+    kw = {k: getattr(impl, k) for k in ("block_q", "block_kv", "num_splits", "max_splits")
+          if getattr(impl, k) is not None}
     return dict(kw, interpret=impl.interpret)
 
 
@@ -96,6 +131,7 @@ def _tpu(impl):
     from pallas_kernels.paged_attention_tpu import paged_attention_tpu
     kw = _tuning(impl)
     kw.pop("num_splits", None)  # one TensorCore walks a row's pages in order: no splits
+    kw.pop("max_splits", None)
     return _lowered_once(functools.partial(paged_attention_tpu, **kw))
 
 
@@ -125,6 +161,9 @@ def implementation(impl: AttnImpl):
 
 def attend(q, kv_pages, meta, impl: AttnImpl = REFERENCE, *, sliding_window=None):
     """q: [B, T, H, D] over the pages named by meta (AttnMeta). Returns [B, T, H, D]."""
+    cap = getattr(_cap, "n", None)
+    if cap is not None and impl.name in SPLIT_KERNELS and impl.num_splits is None:
+        impl = dataclasses.replace(impl, max_splits=min(cap, impl.max_splits or cap))
     return implementation(impl)(q, kv_pages, meta.page_table, meta.q_start, meta.kv_len, meta.block_mask,
                                 sliding_window=sliding_window, mask_start=meta.mask_start)
 

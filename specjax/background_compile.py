@@ -22,13 +22,19 @@ device (jax.Array.committed) keeps its sharding; an uncommitted one (numpy, defa
 gets none, as the call would.
 
 The worker holds the GIL while it traces and lowers (Python), releases it while XLA compiles.
+
+At interpreter exit the compile in progress is waited for and queued ones are dropped (`close`): a
+process that exits while a thread is inside an XLA compile aborts (CPU) or segfaults (GPU; seen at the
+end of an eval whose last requests asked for a program), losing its exit status.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 
 import jax
 import numpy as np
@@ -58,6 +64,8 @@ class BackgroundCompiles:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.count, self.seconds, self.failed = 0, 0.0, 0  # compiled (ok) and their seconds, failed
+        self.closed = False
+        _LIVE.add(self)
 
     @property
     def pending(self) -> int:
@@ -66,7 +74,7 @@ class BackgroundCompiles:
     def request(self, key, program, args: tuple, kwargs: dict) -> bool:
         """Compile program(*args, **kwargs) (a jitted function; kwargs its static arguments) unless
         key was requested before. False: already requested."""
-        if key in self.requested:
+        if key in self.requested or self.closed:
             return False
         self.requested.add(key)
         self._todo.put((key, program, jax.tree.map(abstract, args), kwargs))
@@ -92,9 +100,19 @@ class BackgroundCompiles:
                 raise TimeoutError(f"{self.pending} background compilations still running after {timeout:.0f} s")
             time.sleep(0.01)
 
+    def close(self) -> None:
+        """Take no more requests, drop the queued ones and wait for the compile in progress (if any)."""
+        self.closed = True
+        if self._thread is not None and self._thread.is_alive():
+            self._todo.put(None)  # wakes an idle worker
+            self._thread.join()
+
     def _run(self) -> None:
         while True:
-            key, program, args, kwargs = self._todo.get()
+            item = self._todo.get()
+            if item is None or self.closed:
+                return
+            key, program, args, kwargs = item
             t0 = time.perf_counter()
             try:
                 program.lower(*args, **kwargs).compile()
@@ -111,3 +129,14 @@ class BackgroundCompiles:
                 self.count += 1
             else:
                 self.failed += 1
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for bg in list(_LIVE):
+        if bg.pending and bg._thread is not None and bg._thread.is_alive():
+            log.info("waiting for a background compile to finish before exit")
+        bg.close()

@@ -174,3 +174,10 @@ def plan(rows, grammar: bool, batch_opts, sched: Scheduler, draft=None, lookahea
     if K > 1 and not sched.ensure_extra(slots, (K - 1) * per_step):
         K = 1
     return DispatchPlan("spec", K, K * per_step, K, wanted)
+
+
+def context_bound(rows, sched: Scheduler, advance: int) -> int:
+    """The most keys a row of the dispatch may hold by its end: its length, what the unread steps and
+    this dispatch (`advance`) may add, the step's lookahead entries; at most a slot's capacity."""
+    return max(min(int(sched.lens[s] + sched.inflight[s]) + advance + sched.ahead, sched.capacity)
+               for s, _ in rows)

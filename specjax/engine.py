@@ -126,6 +126,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
                 sharding.shard_model(draft.model, mesh, sharding.model_rules(draft.model, draft.kv_cfg, tp))
         model, draft = self._choose_attention(attention, model, cfg, draft, cache_opts.page_size, dtype, mesh)
         self.draft = draft
+        self.split_caps = draft is not None and self.attention_name in attn_lib.SPLIT_KERNELS  # _split_flags
         if draft is None:
             ahead = advance = batch_opts.steps_per_call
             tail = self.lookahead = 0
@@ -192,6 +193,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         self._loop_end = None  # when the last step() that dispatched ended (the loop's period)
         self.gate = AcceptanceGate()  # lite or fused steps by measured acceptance (BatchOptions.min_accept)
         self._last_kind = None  # the kind of the last decode dispatch
+        self._last_cap = "none yet"  # the attention split cap of the last fused dispatch (_split_flags)
         self._lag = {}  # slot -> (request, epoch, draft length) of drafts left behind (specjax.engine_catchup)
         self.tier = 0  # the tree shape the dispatches run (draft.tiers; specjax.spec_tiers)
         self._tree_tier = np.zeros(batch_opts.max_batch, np.int32)  # per slot: the tier its tree was grown by
@@ -465,11 +467,13 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             return (self.sched.rows_bucket(len(rows), self._min_rows(kind)),)
 
         def ready(kind, K):  # a program of K steps compiled for these rows (adapted caps wait for it)
-            return self.shapes.find(self._decode_key(kind, K, flags), rows_b(kind)) is not None
+            return any(self.shapes.find(self._decode_key(kind, K, f), rows_b(kind)) is not None
+                       for f in self._split_variants(kind, flags, rows_b(kind)[0]))
 
         p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated,
                                caps=self.steps_cap.chain(b), ready=ready,
                                spec=None if self.draft is None else self.spec)
+        flags = self._split_flags(p, rows, flags, rows_b(p.kind))
         if p.wanted is not None:  # the adapted K's program is compiled off the engine thread meanwhile
             self._compile_later(p.kind, p.wanted, rows, flags)
         if grammar:
@@ -506,6 +510,39 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         if self.draft is None or "spec" not in kinds or kinds & {"lite", "lazy"}:  # those give one token each
             return False
         return req.accept_ema is not None and len(req.token_ids) + self.sched.sure[slot] * req.accept_ema >= req.max_len
+
+    def _split_variants(self, kind: str, flags: dict, rows: int) -> list[dict]:
+        """The static flags of a dispatch kind's programs for a rows bucket: fused steps of few rows
+        come with and without an attention split cap (attention.split_cap), those of more rows with
+        none; other kinds have no such flag."""
+        if kind != "spec" or not self.split_caps:
+            return [flags]
+        caps = (attn_lib.SHORT_SPLITS, None) if rows <= attn_lib.SHORT_ROWS else (None,)
+        return [dict(flags, max_splits=cap) for cap in caps]
+
+    def _split_flags(self, p, rows, flags: dict, rows_b: tuple) -> dict:
+        """A dispatch's flags with its attention split cap: fewer splits where every row stays short
+        over the dispatch (dispatch_plan.context_bound). Each variant's sibling is compiled on the
+        worker thread once the first of them runs; until it is ready the compiled one runs (outputs
+        agree up to float rounding; it is only slower): crossing SHORT_CONTEXT never stalls the engine."""
+        variants = self._split_variants(p.kind, flags, rows_b[0])
+        if len(variants) == 1:
+            return variants[0]
+        bound = dispatch_plan.context_bound(rows, self.sched, p.advance)
+        want = attn_lib.split_cap(bound, rows_b[0])
+        chosen, other = sorted(variants, key=lambda f: f["max_splits"] != want)
+
+        def have(f):
+            return self.shapes.find(self._decode_key(p.kind, p.num_steps, f), rows_b) is not None
+
+        if not have(chosen) and have(other):
+            chosen, other = other, chosen
+        if not have(other):
+            self._compile_later(p.kind, p.num_steps, rows, other)  # once per program (requested keys)
+        if chosen["max_splits"] != self._last_cap:
+            log.info("attention split cap %s for rows of up to %d keys (wanted %s)", chosen["max_splits"], bound, want)
+            self._last_cap = chosen["max_splits"]
+        return chosen
 
     def _min_rows(self, kind: str) -> int:
         """The fewest rows a decode dispatch of this kind pads to (BatchOptions.fused_min_rows for fused

@@ -34,7 +34,9 @@ programs draft into the next tree (specjax.grammar_drafts). None (no grammar in 
 drafts off) compiles the programs without it.
 
 Kernel choices (specjax.kernels.Kernels, made once at engine start) are closed over like the draft
-and tree configuration: they are part of each program's static configuration.
+and tree configuration: they are part of each program's static configuration. The fused step's static
+`max_splits` caps the attention kernels' splits of a row's keys (specjax.attention.split_cap): the engine
+passes a cap where every row of the dispatch is short, where fewer splits are faster.
 
 Prefill programs take pieces (decode.PrefillRows: a cached prefix or earlier chunks before each
 row's start). What an admission needs over its whole sequence (penalty state, n-gram history) is
@@ -50,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import decode, lazy_draft, spec_tiers, step as step_lib
+from specjax import attention as attn_lib, decode, lazy_draft, spec_tiers, step as step_lib
 from specjax import device_dfa as dfa_lib
 from specjax.kernels import Kernels
 from specjax.sampling import SamplingArrays
@@ -181,7 +183,8 @@ class SpecPrograms(NamedTuple):
     step: Callable  # fused, K steps: (tw, dw, state, samp_all, slots, active, mask, stop: StopRows, drafts=None,
     #                 *, num_steps, lite=False, lazy=False, ...) -> (SpecOut with [K, B] fields, trees, state);
     #                 a mask or grammar drafts need K == 1; lite: K lite steps (step.spec_lite_step), no mask;
-    #                 lazy (with lite): K plain steps, the draft left behind (specjax.lazy_draft)
+    #                 lazy (with lite): K plain steps, the draft left behind (specjax.lazy_draft);
+    #                 max_splits: attention splits at most (attention.split_cap: rows known to be short)
     verify: Callable  # (tw, state, slots, active) -> (logits, h, aux), state
     finish: Callable  # (tw, dw, state, verified, samp_all, slots, active, mask, drafts=None, *, ...)
     #                   -> (SpecOut with [1, B] fields, trees, state)
@@ -225,7 +228,13 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         return out, _trees(state, rows.slots), state, _put_rows(samp_all, rows.slots, samp)
 
     def fused(tw, dw, state, samp_all, slots, active, mask, stop, drafts=None, *, num_steps, want_logprobs,
-              stochastic, lite=False, lazy=False, dfa=False):
+              stochastic, lite=False, lazy=False, dfa=False, max_splits=None):
+        with attn_lib.splits_at_most(max_splits):  # attention kernels split rows' keys at most so (static)
+            return fused_steps(tw, dw, state, samp_all, slots, active, mask, stop, drafts, num_steps=num_steps,
+                               want_logprobs=want_logprobs, stochastic=stochastic, lite=lite, lazy=lazy, dfa=dfa)
+
+    def fused_steps(tw, dw, state, samp_all, slots, active, mask, stop, drafts, *, num_steps, want_logprobs,
+                    stochastic, lite, lazy, dfa):
         samp = _take_rows(samp_all, slots)
         rs = jnp.minimum(slots, state.cache.seq_lens.shape[0] - 1)
         assert (mask is None and drafts is None) or (num_steps == 1 and not lite), \
@@ -306,7 +315,7 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
     jit = functools.partial(jax.jit, static_argnames=_STATIC)
     return SpecPrograms(prefill=jit(tiered(prefill, 2, 2), donate_argnums=(2, 3)),
                         step=jax.jit(tiered(fused, 2, 2), donate_argnums=(2,),
-                                     static_argnames=("num_steps", "lite", "lazy") + _STATIC),
+                                     static_argnames=("num_steps", "lite", "lazy", "max_splits") + _STATIC),
                         verify=jax.jit(tiered(verify, 1, 1), donate_argnums=(1,)),
                         finish=jit(tiered(finish, 2, 2), donate_argnums=(2,))), tw0, dw0
 

@@ -3,7 +3,9 @@ as static configuration by the model's Attention modules (configure) and so part
 program's jit key. Implementations that need a GPU (cuDNN) are checked on the GPU machine only."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import types
 
 import jax
 import jax.numpy as jnp
@@ -173,3 +175,18 @@ def test_engine_chooses_for_target_and_draft_models_only():
                                     "draft attention": "attention: reference (forced)"}
     assert all(m.attn_impl == attention.REFERENCE for _, m in nnx.iter_modules(eng.draft.model)
                if isinstance(m, Attention))
+
+
+def test_splits_at_most_caps_the_splitting_kernels_while_tracing(monkeypatch):
+    """Under splits_at_most(n) attend hands the kernels that split a row's keys a cap of n (unless the
+    impl fixes its own num_splits); other implementations and calls outside the scope are unchanged."""
+    seen = []
+    monkeypatch.setattr(attention, "implementation", lambda impl: seen.append(impl) or (lambda *a, **k: None))
+    meta = types.SimpleNamespace(page_table=None, q_start=None, kv_len=None, block_mask=None, mask_start=None)
+    pallas, fixed, mosaic = AttnImpl("pallas", interpret=True), AttnImpl("pallas", num_splits=16), AttnImpl("mosaic_gpu")
+    with attention.splits_at_most(4):
+        for impl in (pallas, fixed, mosaic, attention.REFERENCE):
+            attention.attend(None, None, meta, impl)
+    attention.attend(None, None, meta, pallas)
+    assert seen == [dataclasses.replace(pallas, max_splits=4), fixed, dataclasses.replace(mosaic, max_splits=4),
+                    attention.REFERENCE, pallas]

@@ -4,7 +4,10 @@ batch's rows gives way to the nearest compiled one while a worker compiles it
 those of a fixed K; several processes switch at the same step (process 0 says when)."""
 from __future__ import annotations
 
+import os
 import queue
+import subprocess
+import sys
 import threading
 import types
 
@@ -179,3 +182,29 @@ def test_followers_switch_at_process_0s_step(world):
     lead.replica.send("stop")
     assert next(steps).then == "stop"
     follow.background.gate.set()
+
+
+EXIT_SCRIPT = """
+import time, jax, jax.numpy as jnp
+from specjax.background_compile import BackgroundCompiles
+def f(x):
+    for i in range(150):
+        x = jnp.sin(x @ x.T + i) @ x
+    return x
+bg = BackgroundCompiles()
+bg.request("k", jax.jit(f), (jnp.ones((64, 64)),), {})
+time.sleep(0.3)
+print("exiting with", bg.pending, "pending", flush=True)
+"""
+
+
+def test_exit_waits_for_the_compile_in_progress(tmp_path):
+    """A process that ends while the worker is inside an XLA compile exits cleanly: the compile is
+    waited for at exit (without it the process aborted, status 134 on the CPU)."""
+    script = tmp_path / "exit_while_compiling.py"
+    script.write_text(EXIT_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert "exiting with 1 pending" in res.stdout, res.stdout + res.stderr  # it was compiling at the end
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -1,9 +1,12 @@
 """The engine's outputs do not change when the paged-attention kernel replaces the jnp reference:
 greedy float32 on a tiny model, plain decoding and speculative decoding (a draft tree: tree verify,
 draft growth with scratch masks, compaction), the generic Pallas kernel forced on in the Pallas
-interpreter (CPU), ragged prompts and several rows, page sizes 1 (plain) and 4 (speculative). On a GPU the same check of
-the Mosaic kernel on the default model is test_kernel_on_gpu_default_model (skipped elsewhere)."""
+interpreter (CPU), ragged prompts and several rows, page sizes 1 (plain) and 4 (speculative), and across the
+attention split cap's switch (fused programs with and without it). On a GPU the same check of the Mosaic kernel
+on the default model is test_kernel_on_gpu_default_model (skipped elsewhere)."""
 from __future__ import annotations
+
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +14,9 @@ import numpy as np
 import pytest
 from helpers import IdTokenizer, tiny_config, tiny_model
 
+from specjax import attention
 from specjax.attention import AttnImpl
+from specjax.background_compile import BackgroundCompiles
 from specjax.drafter import DraftInfo
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
 from specjax.request import Request
@@ -22,9 +27,33 @@ MAX_SEQ = 40
 KERNEL = AttnImpl("pallas", interpret=True, block_kv=8)
 
 
-def _run(cfg, model, prompts, attention, draft=None, page_size=4):
+class Held(BackgroundCompiles):
+    """A worker that starts compiling only once `gate` is set."""
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def _run(self):
+        self.gate.wait()
+        super()._run()
+
+
+def _run(cfg, model, prompts, attention, draft=None, page_size=4, split_caps=None):
     eng = Engine(model, cfg, CacheOptions(page_size=page_size, max_seq_len=MAX_SEQ),
-                 BatchOptions(max_batch=3, steps_per_call=1), jnp.float32, draft=draft, attention=attention)
+                 BatchOptions(max_batch=3, steps_per_call=1, spec_steps_per_call=1), jnp.float32, draft=draft,
+                 attention=attention)
+    if split_caps is not None:  # record each dispatch's attention split cap; background compiles held
+        eng.background = Held()  # until two dispatches have run
+        choose = eng._split_flags
+
+        def chosen(*a):
+            flags = choose(*a)
+            split_caps.append(flags.get("max_splits", "no cap"))
+            if len(split_caps) == 2:
+                eng.background.gate.set()
+                eng.background.wait()
+            return flags
+        eng._split_flags = chosen
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     reqs = [Request(i, None, p, params, IdTokenizer(), (96,), MAX_SEQ, 100 + i) for i, p in enumerate(prompts)]
     eng.run(reqs)
@@ -50,13 +79,27 @@ def test_plain_greedy_unchanged_with_kernel(setup):
     assert got == want
 
 
-def test_spec_tree_greedy_unchanged_with_kernel(setup):
+def test_spec_tree_greedy_unchanged_with_kernel(setup, monkeypatch):
+    """Also across the attention split cap (attention.split_cap): rows start below SHORT_CONTEXT keys
+    (at most 2 splits here) and grow past it (the kernel's own count). The uncapped program is asked
+    of the worker thread when the capped one first runs; while it is not ready (held here) the capped
+    one keeps running past SHORT_CONTEXT; then the uncapped one runs. The outputs do not change."""
     cfg, model, prompts, want = setup
+    monkeypatch.setattr(attention, "SHORT_CONTEXT", 23)  # the first step's rows (14 + 3 + lookahead 6)
+    monkeypatch.setattr(attention, "SHORT_SPLITS", 2)
     spec = SpecConfig(method="draft", num_steps=2, topk=2, num_draft_tokens=4)  # growth step 2 masks scratch
     draft = Draft(model, cfg, DraftInfo("draft"), spec)  # the target drafts for itself: trees get accepted
-    got, kernels = _run(cfg, model, prompts, KERNEL, draft=draft)
+    caps = []
+    got, kernels = _run(cfg, model, prompts, KERNEL, draft=draft, split_caps=caps)
     assert kernels == {"attention": "attention: pallas (forced)"}
     assert got == want
+    assert caps == [2, 2, None], caps  # short rows; past SHORT_CONTEXT, the uncapped one held; ready
+
+
+def test_split_cap_by_context_and_rows():
+    assert attention.split_cap(attention.SHORT_CONTEXT, 1) == attention.SHORT_SPLITS
+    assert attention.split_cap(attention.SHORT_CONTEXT + 1, 1) is None  # long rows: the kernel's own count
+    assert attention.split_cap(100, attention.SHORT_ROWS + 1) is None  # many rows: few splits already
 
 
 def test_kernel_on_gpu_default_model():

@@ -99,6 +99,8 @@ def test_auto_splits_fill_the_gpu_and_ignore_the_capacity():
         assert split(pa.Geometry(**{**g.__dict__, "P": 512})) == 32  # the capacity does not matter
         assert split(pa.Geometry(**{**g.__dict__, "B": 4})) == 9
         assert split(pa.Geometry(**{**g.__dict__, "B": 64})) == 1
+        assert split(g, max_splits=8) == 8  # a caller's cap (attention.split_cap: short rows)
+        assert split(pa.Geometry(**{**g.__dict__, "B": 4}), max_splits=16) == 9  # a cap above the count
 
 
 def test_two_query_blocks_pair_only_where_the_ctas_overflow_the_gpu():
