@@ -473,7 +473,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated,
                                caps=self.steps_cap.chain(b), ready=ready,
                                spec=None if self.draft is None else self.spec)
-        flags = self._split_flags(p, rows, flags, rows_b(p.kind))
+        flags = self._split_flags(p, rows, flags, rows_b(p.kind), grammar)
         if p.wanted is not None:  # the adapted K's program is compiled off the engine thread meanwhile
             self._compile_later(p.kind, p.wanted, rows, flags)
         if grammar:
@@ -520,14 +520,16 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         caps = (attn_lib.SHORT_SPLITS, None) if rows <= attn_lib.SHORT_ROWS else (None,)
         return [dict(flags, max_splits=cap) for cap in caps]
 
-    def _split_flags(self, p, rows, flags: dict, rows_b: tuple) -> dict:
+    def _split_flags(self, p, rows, flags: dict, rows_b: tuple, grammar: bool = False) -> dict:
         """A dispatch's flags with its attention split cap: fewer splits where every row stays short
         over the dispatch (dispatch_plan.context_bound). Each variant's sibling is compiled on the
         worker thread once the first of them runs; until it is ready the compiled one runs (outputs
-        agree up to float rounding; it is only slower): crossing SHORT_CONTEXT never stalls the engine."""
+        agree up to float rounding; it is only slower): crossing SHORT_CONTEXT never stalls the engine.
+        Grammar batches (their masks' programs compile on first use, not in the background) keep the
+        kernels' own count: a switch would compile on the engine thread."""
         variants = self._split_variants(p.kind, flags, rows_b[0])
-        if len(variants) == 1:
-            return variants[0]
+        if len(variants) == 1 or grammar:
+            return variants[-1]  # the uncapped one
         bound = dispatch_plan.context_bound(rows, self.sched, p.advance)
         want = attn_lib.split_cap(bound, rows_b[0])
         chosen, other = sorted(variants, key=lambda f: f["max_splits"] != want)

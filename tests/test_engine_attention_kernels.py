@@ -119,3 +119,34 @@ def test_kernel_on_gpu_default_model():
                 assert "reference" not in llm.engine.attention_choice["attention"].split("(")[0], llm.engine.attention_choice
             outs[attn, draft] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["auto", None] == outs["reference", None] == outs["auto", "self"] == outs["reference", "self"]
+
+
+def test_split_flags_choice(monkeypatch):
+    """Engine._split_flags on its own (no program runs): the wanted cap by the rows' length bound, the
+    sibling asked of the worker, the compiled variant while the wanted one is not, none for grammar
+    batches or many rows."""
+    from specjax.dispatch_plan import DispatchPlan
+    cfg = tiny_config()
+    model = tiny_model(cfg, seed=2)
+    draft = Draft(model, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=2, topk=2, num_draft_tokens=4))
+    eng = Engine(model, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=8), jnp.float32,
+                 draft=draft, attention="reference")
+    assert not eng.split_caps  # the reference splits nothing: one program per shape, as before
+    eng.split_caps = True
+    asked = []
+    monkeypatch.setattr(eng, "_compile_later", lambda kind, K, rows, flags: asked.append(flags["max_splits"]))
+    monkeypatch.setattr(attention, "SHORT_CONTEXT", 20)
+    flags = {"want_logprobs": False}
+    p = DispatchPlan("spec", 1, 3, 1)
+    rows = [(0, None)]
+    eng.sched.lens[0] = 5  # bound 5 + 3 + lookahead 6 = 14 keys: short
+    assert eng._split_flags(p, rows, flags, (1,))["max_splits"] == attention.SHORT_SPLITS and asked == [None]
+    eng.shapes.add(eng._decode_key("spec", 1, dict(flags, max_splits=attention.SHORT_SPLITS)), (1,))
+    eng.sched.lens[0] = 30  # long: the uncapped program is wanted but not compiled yet
+    assert eng._split_flags(p, rows, flags, (1,))["max_splits"] == attention.SHORT_SPLITS and asked == [None, None]
+    eng.shapes.add(eng._decode_key("spec", 1, dict(flags, max_splits=None)), (1,))
+    assert eng._split_flags(p, rows, flags, (1,))["max_splits"] is None and len(asked) == 2
+    eng.sched.lens[0] = 5
+    assert eng._split_flags(p, rows, flags, (1,), grammar=True)["max_splits"] is None
+    assert eng._split_flags(p, rows, flags, (attention.SHORT_ROWS * 2,))["max_splits"] is None
+    assert eng._split_flags(p._replace(kind="decode"), rows, flags, (1,)) == flags
