@@ -6,12 +6,14 @@ import contextlib
 import importlib.util
 import math
 import os
+import threading
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.background_compile import BackgroundCompiles
 from specjax.config import ModelConfig
 from specjax.models.llama import Llama
 
@@ -119,6 +121,17 @@ class Recording:
 
     def __getattr__(self, name):  # lower (the worker), _cache_size (Engine.num_compiled)
         return getattr(self.program, name)
+
+
+class Held(BackgroundCompiles):
+    """A background compile worker that starts compiling only once `gate` is set."""
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def _run(self):
+        self.gate.wait()
+        super()._run()
 
 
 def load_script(name: str):

@@ -8,16 +8,14 @@ import os
 import queue
 import subprocess
 import sys
-import threading
 import types
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import IdTokenizer, Recording, tiny_config, tiny_model
+from helpers import Held, IdTokenizer, Recording, tiny_config, tiny_model
 from specjax import compile_watch, multihost
-from specjax.background_compile import BackgroundCompiles
 from specjax.dispatch_plan import StepsCap, plan
 from specjax.drafter import DraftInfo
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
@@ -28,17 +26,6 @@ from specjax.tree import SpecConfig
 MAX_SEQ = 64
 EOS = 7
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-class Held(BackgroundCompiles):
-    """A worker that starts compiling only once `gate` is set."""
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def _run(self):
-        self.gate.wait()
-        super()._run()
 
 
 def test_plan_takes_the_nearest_compiled_level():

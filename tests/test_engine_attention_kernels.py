@@ -6,17 +6,14 @@ attention split cap's switch (fused programs with and without it). On a GPU the 
 on the default model is test_kernel_on_gpu_default_model (skipped elsewhere)."""
 from __future__ import annotations
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import IdTokenizer, tiny_config, tiny_model
+from helpers import Held, IdTokenizer, tiny_config, tiny_model
 
 from specjax import attention
 from specjax.attention import AttnImpl
-from specjax.background_compile import BackgroundCompiles
 from specjax.drafter import DraftInfo
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
 from specjax.request import Request
@@ -25,17 +22,6 @@ from specjax.tree import SpecConfig
 
 MAX_SEQ = 40
 KERNEL = AttnImpl("pallas", interpret=True, block_kv=8)
-
-
-class Held(BackgroundCompiles):
-    """A worker that starts compiling only once `gate` is set."""
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def _run(self):
-        self.gate.wait()
-        super()._run()
 
 
 def _run(cfg, model, prompts, attention, draft=None, page_size=4, split_caps=None):
