@@ -14,7 +14,8 @@ or a draft directory (--draft).
   in draft vocab  (an EAGLE-3 head with its own smaller vocabulary) share of the plain output's tokens
               that the head can propose at all; every other token ends a step's accepted run
   tok/s       generated tokens / wall time around generate (after a warm-up that compiles every
-              prompt-length bucket and the decode programs), plain and speculative; speed-up = ratio
+              prompt-length bucket and the decode programs), plain and speculative; speed-up = ratio;
+              with --repeats N each set's timed runs repeat N times (alternating) and add up
   identical   prompts whose speculative output equals the plain output (greedy is lossless; bf16
               numerics of a verify step can differ from a decode step's in rare near-ties)
 Optionally (--hf-baseline), HF transformers on the same prompt ids, the same number of new tokens
@@ -123,11 +124,15 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
              max_batch: int = 1,
              max_tokens: int = MAX_TOKENS, dtype: str = "auto", max_seq_len: int = 2048,
              chat: bool | None = None, warmup_tokens: int = 8, min_accept="auto", draft_topk: str = "auto",
-             attention: str = "auto", log=print) -> dict:
+             attention: str = "auto", repeats: int = 1, log=print) -> dict:
     """Plain vs speculative greedy decoding per category, the same tokens per prompt (EOS ignored)
     -> summary dict (see module doc). draft: a draft directory, "self" or "ngram"; min_accept: the
     speculative LLM's acceptance gate (LLM(min_accept=...), specjax.adaptive); draft_topk: its draft
-    tree's top-k (LLM(draft_topk=...)); attention: both LLMs' paged attention (LLM(attention=...))."""
+    tree's top-k (LLM(draft_topk=...)); attention: both LLMs' paged attention (LLM(attention=...)).
+    repeats: timed runs of each set per engine, alternating plain and speculative; seconds, tokens and
+    step counts add up over them, τ and the outputs are the last run's (greedy: the same tokens)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     import dataclasses
 
     from specjax import LLM, SamplingParams
@@ -173,21 +178,21 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     eos = plain.eos_ids
     cats = {}
     for c, ps in ids.items():
-        pc0 = plain.engine.stats()["compiled_programs"]
-        tp = time.perf_counter()
-        res_p = _run(plain, ps, params)
-        tp = time.perf_counter() - tp
-        pc1 = plain.engine.stats()["compiled_programs"]
-        st0 = spec.engine.stats()
-        ts = time.perf_counter()
-        res_s = _run(spec, ps, params)
-        ts = time.perf_counter() - ts
-        st1 = spec.engine.stats()
+        pc0, st0 = plain.engine.stats()["compiled_programs"], spec.engine.stats()
+        tp = ts = 0.0
+        for _ in range(repeats):  # a set's timed run lasts ~1 s on a GPU: one host stall moves it by 10 %
+            t = time.perf_counter()
+            res_p = _run(plain, ps, params)
+            tp += time.perf_counter() - t
+            t = time.perf_counter()
+            res_s = _run(spec, ps, params)
+            ts += time.perf_counter() - t
+        pc1, st1 = plain.engine.stats()["compiled_programs"], spec.engine.stats()
         steps = {k: st1[f"{k}_dispatch_steps"] - st0[f"{k}_dispatch_steps"] for k in ("spec", "lite", "lazy")}
         ok = [i for i, ((op, _), (os_, _)) in enumerate(zip(res_p, res_s))
               if op.finish_reason != "error" and os_.finish_reason != "error"]
-        n_p = sum(len(res_p[i][0].token_ids) for i in ok)
-        n_s = sum(len(res_s[i][0].token_ids) for i in ok)
+        n_p = repeats * sum(len(res_p[i][0].token_ids) for i in ok)
+        n_s = repeats * sum(len(res_s[i][0].token_ids) for i in ok)
         acc = [res_s[i][1] for i in ok]
         upto = [acc[j][: response_steps(acc[j], res_p[i][0].token_ids, eos)] for j, i in enumerate(ok)]
         cats[c] = {"prompts": len(ok), "tokens_plain": n_p, "tokens_spec": n_s,
@@ -234,6 +239,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     settings = {"model": str(plain.model_dir), "draft": str(draft), "method": spec_cfg.method,
                 "num_steps": num_steps, "topk": topk, "num_draft_tokens": spec_cfg.num_draft_tokens,
                 "max_batch": max_batch, "max_tokens": max_tokens, "ignore_eos": True, "dtype": plain.dtype, "chat": chat,
+                "repeats": repeats,
                 "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "min_accept": gate,
                 "draft_vocab_size": None if vocab is None else len(vocab),
                 "attention_plain": plain.engine.attention_choice["attention"],
@@ -447,6 +453,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
                    help="paged attention of both engines (as `specjax generate --attention`)")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens per prompt of the compiling warm-up")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs of each set per engine, alternating (seconds, tokens and steps add up; "
+                   "a set's run is short on a GPU, so repeats steady the tokens/s)")
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("--json", help="write the summary as JSON")
     p.add_argument("--markdown", help="write the table as markdown")
@@ -478,6 +487,8 @@ def resolve(a) -> None:
         a.limit = QUICK_LIMIT
     if a.max_tokens is None:
         a.max_tokens = QUICK_TOKENS if a.quick else MAX_TOKENS
+    if a.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
 
 
 def size_warning(sets: dict[str, list[str]], max_tokens: int, backend: str, hf: bool = False) -> str | None:
@@ -510,7 +521,7 @@ def cmd_eval(a) -> int:
                        ngram_branch=a.ngram_branch, max_batch=a.max_batch, max_tokens=a.max_tokens, dtype=a.dtype,
                        max_seq_len=a.max_seq_len,
                        chat=False if a.raw else None, warmup_tokens=a.warmup_tokens, min_accept=a.min_accept,
-                       draft_topk=a.draft_topk, attention=a.attention, log=log)
+                       draft_topk=a.draft_topk, attention=a.attention, repeats=a.repeats, log=log)
     ids = summary.pop("prompt_ids")
     if a.hf_baseline:
         hf = summary["hf"] = hf_baseline(_gguf(a), ids, a.max_tokens, a.hf_device, a.hf_lookup_tokens,

@@ -91,6 +91,7 @@ def test_cli_eval_arguments(tmp_path, capsys):
     assert (_args("--quick", "--limit", "5").limit, _args("--quick", "--max-tokens", "9").max_tokens) == (5, 9)
     for argv, msg in ((["--model", "m"], "with --model give --draft DIR or --speculate ngram"),
                       (["--speculate", "ngram", "--draft", "d"], "not both"),
+                      (["--draft", "d", "--repeats", "0"], "--repeats must be >= 1, got 0"),
                       (["--draft", "d", "--hf-baseline", "--gguf", str(tmp_path / "missing.gguf")],
                        "needs the model's GGUF file")):
         assert cli.main(["eval", *argv]) == 2 and msg in capsys.readouterr().err
@@ -177,8 +178,9 @@ def test_eval_shipped_head_small_run(tmp_path):
 
 
 def test_eval_ngram_small_run(tmp_path, capsys):
-    """`specjax eval --speculate ngram` on two short prompts whose answers copy them (f32, a tree):
-    outputs equal plain decoding, the same work, and the drafts are accepted (τ > 1)."""
+    """`specjax eval --speculate ngram` on two short prompts whose answers copy them (f32, a tree,
+    two timed runs per engine): outputs equal plain decoding, the same work, and the drafts are
+    accepted (τ > 1)."""
     from specjax.default_model import ensure_default
     ensure_default()
     src, out = tmp_path / "copy.jsonl", tmp_path / "eval.json"
@@ -187,13 +189,14 @@ def test_eval_ngram_small_run(tmp_path, capsys):
         "Rewrite this sentence in the past tense: The children walk to school and play in the park.")))
     rc = cli.main(["eval", "--speculate", "ngram", "--prompts", str(src), "--max-tokens", "24", "--dtype", "float32",
                    "--max-seq-len", "128", "--num-steps", "4", "--topk", "2", "--warmup-tokens", "2",
-                   "--attention", "reference", "--json", str(out)])
+                   "--attention", "reference", "--repeats", "2", "--json", str(out)])
     assert rc == 0, capsys.readouterr().err
     s = json.loads(out.read_text())
     assert (s["settings"]["method"], s["settings"]["draft"], s["settings"]["ngram_max"]) == ("ngram", "ngram", 4)
     assert "reference (forced)" in s["settings"]["attention_plain"] == s["settings"]["attention_spec"]
     c = s["categories"]["copy"]
-    assert c["identical"] == 2 and c["tokens_plain"] == c["tokens_spec"] == 48
+    assert s["settings"]["repeats"] == 2  # two timed runs of each engine: their tokens add up
+    assert c["identical"] == 2 and c["tokens_plain"] == c["tokens_spec"] == 2 * 48
     assert c["tau"] > 1.2 and c["acc"][0] > 0.1
     from specjax.adaptive import NGRAM_MIN_ACCEPT  # the acceptance gate is on by default for n-gram
     assert s["settings"]["min_accept"] == NGRAM_MIN_ACCEPT and c["fused_steps"] > 0 and c["lite_steps"] >= 0
