@@ -9,11 +9,18 @@ random model of tests/test_grammar_engine.py (97 single-character tokens that xg
   unconstrained rows), and so do sampled ones; DFA-only batches run several steps per dispatch; the
   outputs match re.fullmatch; slots reused after DFA requests decode as before (no leak); a DFA over
   the static limits, or an unsupported pattern, takes the host path (counted), an invalid one fails
-  its request alone; different regexes compile no new program.
+  its request alone; different regexes compile no new program;
+* JSON schemas through the engine (tests/test_json_schema_dfa.py has the converter): greedy outputs
+  with the device DFA equal the host path's token for token, plain and tree-speculative, in a batch
+  with an unconstrained row; the schema rows are counted as device-DFA requests, every token is one
+  the DFA allows and the finished outputs parse and validate (jsonschema); unsupported schemas take
+  the host path (counted, with the reason) with the same outputs, an invalid one fails alone with the
+  host path's error.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import jax.numpy as jnp
@@ -441,6 +448,89 @@ def test_other_regexes_compile_nothing(world, which):
         assert all(r.constraint_path == "device_dfa" and r.finish_reason == "length" for r in reqs)
         assert eng.num_compiled() == compiled and c.n == 0, f"compiled {c.n} executables"
         check_regex_outputs(reqs, [dict(regex=r) for r in rs])
+
+
+# ----------------------------------------------------------------------------- JSON schemas
+
+# (from tests/test_json_schema_dfa.py: here they run on this file's engines, compiled once)
+ENGINE_SCHEMAS = [  # bounded: greedy decoding must finish within max_tokens
+    {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                      "kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"},
+                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 3},
+                                               "maxItems": 2}},
+     "required": ["id", "kind", "tags"]},
+    {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": -5, "maximum": 5}, "y": {"enum": [None, True, 1.5, "a\"b"]}},
+        "required": ["x"]}, "when": {"type": "string", "format": "date"}}, "required": ["p", "when"]},
+    {"anyOf": [{"type": "null"}, {"type": "string", "minLength": 2, "maxLength": 4}]},
+]
+
+
+def check_schema_outputs(reqs, constraints):
+    """Every token of a device-DFA row was allowed; a finished one ends with EOS in an accepting
+    state and its text parses and validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    done = 0
+    for r, c in zip(reqs, constraints):
+        if "json_schema" not in c:
+            continue
+        assert r.constraint_path == "device_dfa"
+        s = 0
+        for t in r.token_ids:
+            s = r.dfa.token_dfa.step(s, t)  # raises on a forbidden token
+        assert r.finish_reason == "stop", r.output().text
+        assert r.token_ids[-1] == EOS and r.dfa.token_dfa.accept[s]
+        jsonschema.validate(json.loads(r.output().text), c["json_schema"])
+        done += 1
+    return done
+
+
+@pytest.mark.parametrize("which", ["plain", "tree"])
+def test_engine_device_dfa_equals_host_path(world, which):
+    prompts = world[5][:5]
+    cons = [dict(json_schema=s) for s in ENGINE_SCHEMAS[:2]] + [{}] + [dict(json_schema=s) for s in ENGINE_SCHEMAS[2:]]
+    eng = engine(world, which, SchedulerOptions(device_dfa=False))
+    host = run(eng, prompts, cons, max_tokens=70)
+    assert all(r.constraint_path in ("host_grammar", None) for r in host)
+    eng.opts = SchedulerOptions()
+    before = eng.stats()
+    dev = run(eng, prompts, cons, max_tokens=70)
+    after = eng.stats()
+    assert outputs(dev) == outputs(host)
+    assert after["dfa_requests"] - before["dfa_requests"] == 4
+    assert after["dfa_fallbacks"] == before["dfa_fallbacks"]
+    assert after["host_grammar_requests"] == before["host_grammar_requests"]
+    assert after["host_masks_s"] == before["host_masks_s"]  # no host mask work at all
+    assert check_schema_outputs(dev, cons) == 4
+
+
+def test_engine_unsupported_and_invalid_schemas(world):
+    """Unsupported schemas (number bounds, a recursive $ref, any object) take the host path, with
+    the reason, counted, with the host path's outputs; an invalid schema fails alone, as on the host
+    path, and a supported one beside them runs on the device."""
+    prompts = world[5][:5]
+    rec = {"$defs": {"n": {"type": "object", "properties": {"v": {"type": "boolean"}, "next": {"$ref": "#/$defs/n"}},
+                           "required": ["v"]}}, "$ref": "#/$defs/n"}
+    cons = [dict(json_schema={"type": "number", "minimum": 0, "maximum": 9}), dict(json_schema=rec),
+            dict(json_schema={"type": "object"}), dict(json_schema={"type": "bogus"}),
+            dict(json_schema=ENGINE_SCHEMAS[1])]
+    eng = engine(world, "plain", SchedulerOptions(device_dfa=False))
+    host = run(eng, prompts, cons, max_tokens=30)
+    assert host[3].finish_reason == "error" and "json_schema" in host[3].output().error
+    eng.opts = SchedulerOptions()
+    before = eng.stats()
+    dev = run(eng, prompts, cons, max_tokens=30)
+    after = eng.stats()
+    assert outputs(dev) == outputs(host)
+    assert after["dfa_fallbacks"] - before["dfa_fallbacks"] == 4 and after["dfa_requests"] - before["dfa_requests"] == 1
+    for r, words in zip(dev[:3], (["not supported", "minimum"], ["not supported", "recursive"],
+                                  ["not supported", "any object"])):
+        assert r.constraint_path == "host_grammar" and all(w in r.dfa_fallback for w in words), r.dfa_fallback
+        assert r.output().dfa_fallback == r.dfa_fallback
+    assert dev[3].finish_reason == "error" and dev[3].output().error == host[3].output().error
+    assert "bogus" in dev[3].dfa_fallback
+    assert dev[4].constraint_path == "device_dfa"
 
 
 # ----------------------------------------------------------------------------- EAGLE-3 drafts

@@ -10,19 +10,14 @@
   every step, the stop token (termination) included;
 * routing: a supported schema gets a DeviceDFA; unsupported, invalid and over-limit ones the host
   path with the reason;
-* the engine (the tiny random model over 97 characters of tests/test_device_dfa.py): greedy outputs
-  with the device DFA equal the host path's token for token, plain and tree-speculative, in a batch
-  with an unconstrained row; the schema rows are counted as device-DFA requests, every token is one
-  the DFA allows and the finished outputs parse and validate (jsonschema); unsupported schemas take
-  the host path (counted, with the reason) with the same outputs, an invalid one fails alone with the
-  host path's error;
+* the engine (the tiny random model over 97 characters): in tests/test_device_dfa.py, whose
+  engines the checks share;
 * the real SmolLM2 (float32): plain and tree-speculative greedy outputs under a schema are the
   same with the device DFA on and off, and parse and validate: in tests/test_grammar_smollm2.py,
   whose engines it shares (building and compiling them again here cost ~100 s).
 """
 from __future__ import annotations
 
-import json
 import re
 
 import numpy as np
@@ -33,7 +28,6 @@ from specjax.grammar import build_grammar, unpack_bitmask
 from specjax.json_schema_regex import SchemaUnsupported, int_range_regex, picojson_dumps, schema_regex
 from specjax.regex_dfa import compile_regex
 from specjax.sampling_params import SamplingParams
-from specjax.scheduler import SchedulerOptions
 from specjax.token_dfa import build_token_dfa, vocab_token_bytes
 
 xgrammar = pytest.importorskip("xgrammar")
@@ -339,87 +333,3 @@ def test_routing():
     assert dfa is None and why.startswith("json_schema not supported on the device") and "bogus" in why
     dfa, why = router.route(key_of({"enum": [1, 2], "type": "bogus"}), info, (EOS,), 512, 256)  # converts (enum first)
     assert dfa is None and why.startswith("invalid json_schema")  # but jsonschema rejects it
-
-
-# ----------------------------------------------------------------------------- engine (tiny model)
-
-from test_device_dfa import engine, outputs, run, world  # noqa: E402,F401 - the shared tiny engines
-
-ENGINE_SCHEMAS = [  # bounded: greedy decoding must finish within max_tokens
-    {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
-                                      "kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"},
-                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 3},
-                                               "maxItems": 2}},
-     "required": ["id", "kind", "tags"]},
-    {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
-    {"type": "object", "properties": {"p": {"type": "object", "properties": {
-        "x": {"type": "integer", "minimum": -5, "maximum": 5}, "y": {"enum": [None, True, 1.5, "a\"b"]}},
-        "required": ["x"]}, "when": {"type": "string", "format": "date"}}, "required": ["p", "when"]},
-    {"anyOf": [{"type": "null"}, {"type": "string", "minLength": 2, "maxLength": 4}]},
-]
-
-
-def check_schema_outputs(reqs, constraints):
-    """Every token of a device-DFA row was allowed; a finished one ends with EOS in an accepting
-    state and its text parses and validates."""
-    from test_grammar_engine import EOS
-    done = 0
-    for r, c in zip(reqs, constraints):
-        if "json_schema" not in c:
-            continue
-        assert r.constraint_path == "device_dfa"
-        s = 0
-        for t in r.token_ids:
-            s = r.dfa.token_dfa.step(s, t)  # raises on a forbidden token
-        assert r.finish_reason == "stop", r.output().text
-        assert r.token_ids[-1] == EOS and r.dfa.token_dfa.accept[s]
-        jsonschema.validate(json.loads(r.output().text), c["json_schema"])
-        done += 1
-    return done
-
-
-@pytest.mark.parametrize("which", ["plain", "tree"])
-def test_engine_device_dfa_equals_host_path(world, which):
-    prompts = world[5][:5]
-    cons = [dict(json_schema=s) for s in ENGINE_SCHEMAS[:2]] + [{}] + [dict(json_schema=s) for s in ENGINE_SCHEMAS[2:]]
-    eng = engine(world, which, SchedulerOptions(device_dfa=False))
-    host = run(eng, prompts, cons, max_tokens=70)
-    assert all(r.constraint_path in ("host_grammar", None) for r in host)
-    eng.opts = SchedulerOptions()
-    before = eng.stats()
-    dev = run(eng, prompts, cons, max_tokens=70)
-    after = eng.stats()
-    assert outputs(dev) == outputs(host)
-    assert after["dfa_requests"] - before["dfa_requests"] == 4
-    assert after["dfa_fallbacks"] == before["dfa_fallbacks"]
-    assert after["host_grammar_requests"] == before["host_grammar_requests"]
-    assert after["host_masks_s"] == before["host_masks_s"]  # no host mask work at all
-    assert check_schema_outputs(dev, cons) == 4
-
-
-def test_engine_unsupported_and_invalid_schemas(world):
-    """Unsupported schemas (number bounds, a recursive $ref, any object) take the host path, with
-    the reason, counted, with the host path's outputs; an invalid schema fails alone, as on the host
-    path, and a supported one beside them runs on the device."""
-    prompts = world[5][:5]
-    rec = {"$defs": {"n": {"type": "object", "properties": {"v": {"type": "boolean"}, "next": {"$ref": "#/$defs/n"}},
-                           "required": ["v"]}}, "$ref": "#/$defs/n"}
-    cons = [dict(json_schema={"type": "number", "minimum": 0, "maximum": 9}), dict(json_schema=rec),
-            dict(json_schema={"type": "object"}), dict(json_schema={"type": "bogus"}),
-            dict(json_schema=ENGINE_SCHEMAS[1])]
-    eng = engine(world, "plain", SchedulerOptions(device_dfa=False))
-    host = run(eng, prompts, cons, max_tokens=30)
-    assert host[3].finish_reason == "error" and "json_schema" in host[3].output().error
-    eng.opts = SchedulerOptions()
-    before = eng.stats()
-    dev = run(eng, prompts, cons, max_tokens=30)
-    after = eng.stats()
-    assert outputs(dev) == outputs(host)
-    assert after["dfa_fallbacks"] - before["dfa_fallbacks"] == 4 and after["dfa_requests"] - before["dfa_requests"] == 1
-    for r, words in zip(dev[:3], (["not supported", "minimum"], ["not supported", "recursive"],
-                                  ["not supported", "any object"])):
-        assert r.constraint_path == "host_grammar" and all(w in r.dfa_fallback for w in words), r.dfa_fallback
-        assert r.output().dfa_fallback == r.dfa_fallback
-    assert dev[3].finish_reason == "error" and dev[3].output().error == host[3].output().error
-    assert "bogus" in dev[3].dfa_fallback
-    assert dev[4].constraint_path == "device_dfa"
