@@ -61,7 +61,7 @@ HEAVY_FIRST = ("test_grammar_engine.py", "test_device_dfa.py", "test_spec_tiers.
                "test_paged_attention_interpreters.py", "test_scheduler_spec.py",
                "test_train.py", "test_eval.py", "test_spec_eagle.py", "test_tree.py", "test_adaptive_spec.py",
                "test_server_spec.py", "test_prefix_chunk_smollm2.py", "test_adaptive_steps.py",
-               "test_bench_dfa_mask.py", "test_server.py", "test_json_schema_dfa.py")
+               "test_bench_dfa_mask.py", "test_server.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
