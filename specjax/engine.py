@@ -522,9 +522,10 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
 
     def _split_flags(self, p, rows, flags: dict, rows_b: tuple, grammar: bool = False) -> dict:
         """A dispatch's flags with its attention split cap: fewer splits where every row stays short
-        over the dispatch (dispatch_plan.context_bound). Each variant's sibling is compiled on the
-        worker thread once the first of them runs; until it is ready the compiled one runs (outputs
-        agree up to float rounding; it is only slower): crossing SHORT_CONTEXT never stalls the engine.
+        over the dispatch (dispatch_plan.context_bound). A variant's sibling is compiled on the worker
+        thread ahead of its first use (the uncapped one once rows near SHORT_CONTEXT); a variant wanted
+        before it is ready waits while the compiled one runs (outputs agree up to float rounding; it
+        is only slower): crossing SHORT_CONTEXT never stalls the engine thread.
         Grammar batches (their masks' programs compile on first use, not in the background) keep the
         kernels' own count: a switch would compile on the engine thread."""
         variants = self._split_variants(p.kind, flags, rows_b[0])
@@ -537,10 +538,13 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         def have(f):
             return self.shapes.find(self._decode_key(p.kind, p.num_steps, f), rows_b) is not None
 
-        if not have(chosen) and have(other):
-            chosen, other = other, chosen
-        if not have(other):
-            self._compile_later(p.kind, p.num_steps, rows, other)  # once per program (requested keys)
+        if not have(chosen) and have(other):  # the wanted one runs once the worker has compiled it
+            self._compile_later(p.kind, p.num_steps, rows, chosen)
+            chosen = other
+        elif not have(other) and (other["max_splits"] is not None or 2 * bound > attn_lib.SHORT_CONTEXT):
+            # the sibling ahead of its first use: the capped one at once, the uncapped one once a row has
+            # half of SHORT_CONTEXT keys (short requests alone never compile it)
+            self._compile_later(p.kind, p.num_steps, rows, other)
         if chosen["max_splits"] != self._last_cap:
             log.info("attention split cap %s for rows of up to %d keys (wanted %s)", chosen["max_splits"], bound, want)
             self._last_cap = chosen["max_splits"]

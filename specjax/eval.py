@@ -174,6 +174,8 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
         _run(spec, every, short)
         _run(spec, first, params)
         spec.engine.batch_opts = dataclasses.replace(spec.engine.batch_opts, min_accept=gate)
+    for llm in (plain, spec):  # programs the warm-up asked of the engines' worker threads (a sibling
+        llm.engine.background.wait()  # attention split cap, adaptive steps): compiled before the timed runs
     log(f"[eval] warm-up {time.perf_counter() - t1:.1f}s")
     eos = plain.eos_ids
     cats = {}

@@ -68,7 +68,7 @@ def test_plain_greedy_unchanged_with_kernel(setup):
 def test_spec_tree_greedy_unchanged_with_kernel(setup, monkeypatch):
     """Also across the attention split cap (attention.split_cap): rows start below SHORT_CONTEXT keys
     (at most 2 splits here) and grow past it (the kernel's own count). The uncapped program is asked
-    of the worker thread when the capped one first runs; while it is not ready (held here) the capped
+    of the worker thread when rows near SHORT_CONTEXT; while it is not ready (held here) the capped
     one keeps running past SHORT_CONTEXT; then the uncapped one runs. The outputs do not change."""
     cfg, model, prompts, want = setup
     monkeypatch.setattr(attention, "SHORT_CONTEXT", 23)  # the first step's rows (14 + 3 + lookahead 6)
@@ -109,8 +109,8 @@ def test_kernel_on_gpu_default_model():
 
 def test_split_flags_choice(monkeypatch):
     """Engine._split_flags on its own (no program runs): the wanted cap by the rows' length bound, the
-    sibling asked of the worker, the compiled variant while the wanted one is not, none for grammar
-    batches or many rows."""
+    uncapped sibling asked of the worker once rows near SHORT_CONTEXT, the compiled variant while the
+    wanted one is not, no cap for grammar batches or many rows."""
     from specjax.dispatch_plan import DispatchPlan
     cfg = tiny_config()
     model = tiny_model(cfg, seed=2)
@@ -125,7 +125,9 @@ def test_split_flags_choice(monkeypatch):
     flags = {"want_logprobs": False}
     p = DispatchPlan("spec", 1, 3, 1)
     rows = [(0, None)]
-    eng.sched.lens[0] = 5  # bound 5 + 3 + lookahead 6 = 14 keys: short
+    eng.sched.lens[0] = 0  # bound 0 + 3 + lookahead 6 = 9 keys: short, the uncapped sibling not asked yet
+    assert eng._split_flags(p, rows, flags, (1,))["max_splits"] == attention.SHORT_SPLITS and asked == []
+    eng.sched.lens[0] = 5  # 14 keys: past half of SHORT_CONTEXT, the uncapped one is asked ahead
     assert eng._split_flags(p, rows, flags, (1,))["max_splits"] == attention.SHORT_SPLITS and asked == [None]
     eng.shapes.add(eng._decode_key("spec", 1, dict(flags, max_splits=attention.SHORT_SPLITS)), (1,))
     eng.sched.lens[0] = 30  # long: the uncapped program is wanted but not compiled yet
