@@ -57,7 +57,8 @@ def pytest_sessionfinish(session, exitstatus):
 # alone on one core at the end of the run (its last ~5 % took ~11 minutes). Other files follow in
 # their usual order; a name missing here only loses its place. (Starting test_device_dfa.py after
 # test_cli_llm.py, so that it might load test_grammar_engine.py's alike programs from the run's
-# compilation cache, was tried in session 35: the suite took 56:16 instead of ~48 min; reverted.)
+# compilation cache, was tried in session 35: the suite then took 56:16 against 47:41 in session 34,
+# not shown to be the cause; reverted.)
 HEAVY_FIRST = ("test_grammar_engine.py", "test_device_dfa.py", "test_spec_tiers.py", "test_cli_llm.py",
                "test_sharding_spec.py", "test_spec_smollm2.py", "test_grammar_smollm2.py",
                "test_paged_attention_interpreters.py", "test_scheduler_spec.py",
