@@ -58,7 +58,7 @@ REFERENCE = AttnImpl()
 # of a row's keys costs the combine's reads, so short rows are faster with fewer splits: `specjax eval`
 # at batch 1 ran 1 278-1 310 us per fused step with at most 8 splits where rows stay <= 1 024 keys, against
 # 1 352 us with the auto 32 (same machine). Past ~1 024 keys 8 splits stop paying (a sweep of one call:
-# about even at 1 024, slower at 2 048-4 096, where a split walks many key blocks in order), so the cap
+# about even at 1 024-2 048, slower at 4 096, where a split walks many key blocks in order), so the cap
 # follows the live context: the engine compiles fused programs with and without it (Engine._split_flags).
 SHORT_CONTEXT = 1024  # keys: rows no longer than this take at most SHORT_SPLITS splits
 SHORT_SPLITS = 8
