@@ -64,12 +64,13 @@ class BackgroundCompiles:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.count, self.seconds, self.failed = 0, 0.0, 0  # compiled (ok) and their seconds, failed
+        self.dropped = 0  # requests close() dropped before their compile began
         self.closed = False
         _LIVE.add(self)
 
     @property
     def pending(self) -> int:
-        return len(self.requested) - self.count - self.failed
+        return len(self.requested) - self.count - self.failed - self.dropped
 
     def request(self, key, program, args: tuple, kwargs: dict) -> bool:
         """Compile program(*args, **kwargs) (a jitted function; kwargs its static arguments) unless
@@ -101,16 +102,24 @@ class BackgroundCompiles:
             time.sleep(0.01)
 
     def close(self) -> None:
-        """Take no more requests, drop the queued ones and wait for the compile in progress (if any)."""
+        """Take no more requests, drop the queued ones and wait for the compile in progress (if any);
+        the dropped ones no longer count as pending."""
         self.closed = True
         if self._thread is not None and self._thread.is_alive():
             self._todo.put(None)  # wakes an idle worker
             self._thread.join()
+        while True:  # the worker has stopped (or never started): what is left in the queue never runs
+            try:
+                item = self._todo.get_nowait()
+            except queue.Empty:
+                return
+            self.dropped += item is not None
 
     def _run(self) -> None:
         while True:
             item = self._todo.get()
             if item is None or self.closed:
+                self.dropped += item is not None  # taken after close(): never compiled
                 return
             key, program, args, kwargs = item
             t0 = time.perf_counter()

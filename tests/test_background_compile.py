@@ -195,3 +195,37 @@ def test_exit_waits_for_the_compile_in_progress(tmp_path):
     res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert "exiting with 1 pending" in res.stdout, res.stdout + res.stderr  # it was compiling at the end
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_close_drops_the_queued_requests_and_counts_them():
+    """close() waits for the compile in progress, drops the queued ones: they stop counting as
+    pending (wait() returns at once), later requests are refused."""
+    import threading
+
+    from specjax.background_compile import BackgroundCompiles
+
+    started, release = threading.Event(), threading.Event()
+
+    class Slow:  # a "program" whose compile blocks until released
+        def __init__(self):
+            self.compiled = 0
+
+        def lower(self, *a, **kw):
+            return self
+
+        def compile(self):
+            started.set()
+            release.wait(30)
+            self.compiled += 1
+
+    bg, prog = BackgroundCompiles(), Slow()
+    assert bg.request("a", prog, (), {}) and bg.request("b", prog, (), {}) and bg.request("c", prog, (), {})
+    assert started.wait(30)  # "a" is compiling, "b" and "c" queued
+    closer = threading.Thread(target=bg.close)
+    closer.start()
+    release.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert (bg.count, bg.failed, bg.dropped, bg.pending, prog.compiled) == (1, 0, 2, 0, 1)
+    bg.wait(timeout=1)  # nothing pending: returns
+    assert not bg.request("d", prog, (), {}) and bg.pending == 0
