@@ -55,6 +55,11 @@ from specjax import compile_watch  # noqa: E402
 
 compile_watch.RECLAIM_EVERY_S = 60.0
 
+# A test process loads a given checkpoint once: load_model / load_draft memoised (tests/_model_cache.py).
+import _model_cache  # noqa: E402
+
+_model_cache.install()
+
 
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE is not None:  # the process that made the run's cache (not an xdist worker)
