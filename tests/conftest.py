@@ -28,7 +28,9 @@ if "SPECJAX_COMPILE_CACHE" not in os.environ:
 
 # Tests compile hundreds of small programs whose run time is tiny: XLA's backend at optimisation level 0
 # without LLVM's expensive passes compiles them faster (session 36, 2 cores: a speculative engine test
-# 45.6 -> 28.4 s, tree tests 41.7 -> 30.2 s, interpreted Mosaic attention 84.9 -> 67.1 s). Outputs are
+# 45.6 -> 28.4 s, tree tests 41.7 -> 30.2 s, interpreted Mosaic attention 84.9 -> 67.1 s; a real-SmolLM2 test,
+# whose programs' run time counts, 57.1 -> 76.4 s; level 1 or 2 with the passes off gain little: 36-38 s for
+# the first); the whole suite 56:16 -> 43:58 with the checkpoint memo (tests/_model_cache.py). Outputs are
 # compared within one run (speculative against plain, kernels against references), never against
 # figures from another build; an environment that names the level keeps its own choice.
 _FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
