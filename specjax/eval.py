@@ -162,17 +162,22 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     log(f"[eval] models loaded in {time.perf_counter() - t0:.1f}s; warming up")
     t1 = time.perf_counter()
     every = [p for ps in ids.values() for p in ps]
-    first = every[:1]
+    # full-length warm-up runs, each alone: the first prompt, and the longest, whose long contexts need
+    # programs of their own (specjax.attention.split_cap: a sibling compiled once a row nears SHORT_CONTEXT)
+    longest = max(every, key=len, default=None)
+    full = [every[:1]] + ([[longest]] if longest is not None and longest is not every[0] else [])
     short = SamplingParams(max_tokens=warmup_tokens, temperature=0.0, ignore_eos=True)
     for llm in (plain, spec):  # compile every prefill bucket and the decode programs; the second pass
         _run(llm, every, short)  # compiles the prefill buckets of prefix-cache hits, which the timed
         _run(llm, every, short)  # runs below get (the warm-up computed those prompts' pages)
-        _run(llm, first, params)
+        for one in full:
+            _run(llm, one, params)
     gate = spec.engine.batch_opts.min_accept
     if gate is not None:  # the lite programs the gate switches to: forced on once (every bucket of K)
         spec.engine.batch_opts = dataclasses.replace(spec.engine.batch_opts, min_accept=float("inf"))
         _run(spec, every, short)
-        _run(spec, first, params)
+        for one in full:
+            _run(spec, one, params)
         spec.engine.batch_opts = dataclasses.replace(spec.engine.batch_opts, min_accept=gate)
     for llm in (plain, spec):  # programs the warm-up asked of the engines' worker threads (a sibling
         llm.engine.background.wait()  # attention split cap, adaptive steps): compiled before the timed runs
@@ -181,14 +186,17 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     cats = {}
     for c, ps in ids.items():
         pc0, st0 = plain.engine.stats()["compiled_programs"], spec.engine.stats()
-        tp = ts = 0.0
+        runs_p, runs_s = [], []
         for _ in range(repeats):  # a set's timed run lasts ~1 s on a GPU: one host stall moves it by 10 %
             t = time.perf_counter()
             res_p = _run(plain, ps, params)
-            tp += time.perf_counter() - t
+            runs_p.append(time.perf_counter() - t)
             t = time.perf_counter()
             res_s = _run(spec, ps, params)
-            ts += time.perf_counter() - t
+            runs_s.append(time.perf_counter() - t)
+        tp, ts = sum(runs_p), sum(runs_s)
+        for llm in (plain, spec):  # programs the timed runs asked of the worker threads: counted below
+            llm.engine.background.wait()  # (untimed; they stalled nothing, but the warm-up missed them)
         pc1, st1 = plain.engine.stats()["compiled_programs"], spec.engine.stats()
         steps = {k: st1[f"{k}_dispatch_steps"] - st0[f"{k}_dispatch_steps"] for k in ("spec", "lite", "lazy")}
         ok = [i for i, ((op, _), (os_, _)) in enumerate(zip(res_p, res_s))
@@ -199,6 +207,8 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
         upto = [acc[j][: response_steps(acc[j], res_p[i][0].token_ids, eos)] for j, i in enumerate(ok)]
         cats[c] = {"prompts": len(ok), "tokens_plain": n_p, "tokens_spec": n_s,
                    "seconds_plain": round(tp, 4), "seconds_spec": round(ts, 4),
+                   "seconds_plain_runs": [round(x, 4) for x in runs_p],  # each repeat's timed run
+                   "seconds_spec_runs": [round(x, 4) for x in runs_s],
                    "tok_s_plain": n_p / tp if tp > 0 else 0.0, "tok_s_spec": n_s / ts if ts > 0 else 0.0,
                    **acceptance(acc, num_steps), "tau_to_eos": acceptance(upto, num_steps)["tau"],
                    "steps_to_eos": sum(map(len, upto)),

@@ -7,6 +7,7 @@ with a freshly trained head: tests/test_train.py.)"""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -149,19 +150,31 @@ def test_hf_peer_plain_and_prompt_lookup():
     assert "tok_s_lookup" not in only["overall"] and only["overall"]["tokens"] == 4
 
 
-def test_eval_shipped_head_small_run(tmp_path):
+def test_eval_shipped_head_small_run(tmp_path, monkeypatch, caplog):
     """`specjax eval` (no drafter given: the shipped EAGLE-3 head) on the real default model, CPU,
     f32, a few prompts: equal work (the same tokens per prompt, EOS ignored), the τ table, JSON and
-    PNG are written, outputs equal plain decoding and drafts are accepted (τ > 1)."""
+    PNG are written, outputs equal plain decoding and drafts are accepted (τ > 1).
+    The attention split caps are made to apply here as on a GPU (specjax.attention.split_cap), with a
+    short first prompt and a long second one: fused programs with and without the cap both run (the
+    long rows pass half of SHORT_CONTEXT, where the engine compiles the uncapped sibling on its worker
+    thread), and the warm-up compiles every program the timed runs use, the worker's included (the
+    eval waits for the worker before counting)."""
+    from specjax import attention as attn_lib
     from specjax.assets import DEFAULT_HEAD_DIR
     from specjax.default_model import ensure_default
     ensure_default()
-    out = tmp_path / "eval.json"
-    rc = cli.main(["eval", "--prompts", str(spec_eval.PROMPTS_DIR / "gsm8k.jsonl"),
-                   "--limit", "2", "--max-tokens", "24", "--dtype", "float32", "--max-seq-len", "512",
-                   "--num-steps", "4", "--topk", "1", "--warmup-tokens", "2", "--json", str(out),
-                   "--markdown", str(tmp_path / "eval.md"), "--png", str(tmp_path / "eval.png")])
+    monkeypatch.setattr(attn_lib, "SPLIT_KERNELS", attn_lib.SPLIT_KERNELS + ("reference",))
+    monkeypatch.setattr(attn_lib, "SHORT_CONTEXT", 400)  # the short prompt's rows stay under 200 keys
+    q = [json.loads(line)["turns"][0] for line in (spec_eval.PROMPTS_DIR / "gsm8k.jsonl").open()][:6]
+    src, out = tmp_path / "gsm8k.jsonl", tmp_path / "eval.json"
+    src.write_text(json.dumps({"turns": [q[0]]}) + "\n" + json.dumps({"turns": [" ".join(q[1:])]}) + "\n")
+    with caplog.at_level(logging.INFO, logger="specjax"):
+        rc = cli.main(["eval", "--prompts", str(src),
+                       "--limit", "2", "--max-tokens", "24", "--dtype", "float32", "--max-seq-len", "512",
+                       "--num-steps", "4", "--topk", "1", "--warmup-tokens", "2", "--json", str(out),
+                       "--markdown", str(tmp_path / "eval.md"), "--png", str(tmp_path / "eval.png")])
     assert rc == 0
+    assert "attention split cap 8 for" in caplog.text and "attention split cap None for" in caplog.text
     s = json.loads(out.read_text())
     assert s["settings"]["draft"] == str(DEFAULT_HEAD_DIR) and s["settings"]["method"] == "eagle3"
     assert "reference" in s["settings"]["attention_plain"] and "forced" not in s["settings"]["attention_spec"]
@@ -197,6 +210,9 @@ def test_eval_ngram_small_run(tmp_path, capsys):
     c = s["categories"]["copy"]
     assert s["settings"]["repeats"] == 2  # two timed runs of each engine: their tokens add up
     assert c["identical"] == 2 and c["tokens_plain"] == c["tokens_spec"] == 2 * 48
+    for e in ("plain", "spec"):  # each repeat's timed run, summing to the set's seconds
+        runs = c[f"seconds_{e}_runs"]
+        assert len(runs) == 2 and min(runs) > 0 and abs(sum(runs) - c[f"seconds_{e}"]) < 1e-3, (e, runs)
     assert c["tau"] > 1.2 and c["acc"][0] > 0.1
     from specjax.adaptive import NGRAM_MIN_ACCEPT  # the acceptance gate is on by default for n-gram
     assert s["settings"]["min_accept"] == NGRAM_MIN_ACCEPT and c["fused_steps"] > 0 and c["lite_steps"] >= 0
