@@ -66,6 +66,12 @@ def _run(llm, prompts, params):
     return [(r.output(), list(r.accept_lens)) for r in reqs]
 
 
+# the speculative engine's counters reported for each timed repeat (Engine.stats(); `spec_runs` of a set)
+RUN_STATS = ("spec_dispatch_steps", "prefill_tokens", "prefix_cache_hit_tokens", "prefix_cache_evictions",
+             "num_preempted", "admitted_ahead", "admit_ahead_misses", "held_back_steps", "host_read_s",
+             "host_dispatch_s", "host_step_s")
+
+
 def _ids(llm, texts, chat: bool) -> list[list[int]]:
     out = []
     for t in texts:
@@ -186,14 +192,17 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     cats = {}
     for c, ps in ids.items():
         pc0, st0 = plain.engine.stats()["compiled_programs"], spec.engine.stats()
-        runs_p, runs_s = [], []
+        runs_p, runs_s, stats_s = [], [], []
         for _ in range(repeats):  # a set's timed run lasts ~1 s on a GPU: one host stall moves it by 10 %
             t = time.perf_counter()
             res_p = _run(plain, ps, params)
             runs_p.append(time.perf_counter() - t)
+            b = spec.engine.stats()
             t = time.perf_counter()
             res_s = _run(spec, ps, params)
             runs_s.append(time.perf_counter() - t)
+            a = spec.engine.stats()
+            stats_s.append({k: round(a[k] - b[k], 4) for k in RUN_STATS})
         tp, ts = sum(runs_p), sum(runs_s)
         for llm in (plain, spec):  # programs the timed runs asked of the worker threads: counted below
             llm.engine.background.wait()  # (untimed; they stalled nothing, but the warm-up missed them)
@@ -209,6 +218,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
                    "seconds_plain": round(tp, 4), "seconds_spec": round(ts, 4),
                    "seconds_plain_runs": [round(x, 4) for x in runs_p],  # each repeat's timed run
                    "seconds_spec_runs": [round(x, 4) for x in runs_s],
+                   "spec_runs": stats_s,  # the speculative engine's counters over each repeat (RUN_STATS)
                    "tok_s_plain": n_p / tp if tp > 0 else 0.0, "tok_s_spec": n_s / ts if ts > 0 else 0.0,
                    **acceptance(acc, num_steps), "tau_to_eos": acceptance(upto, num_steps)["tau"],
                    "steps_to_eos": sum(map(len, upto)),

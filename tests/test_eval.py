@@ -213,6 +213,10 @@ def test_eval_ngram_small_run(tmp_path, capsys):
     for e in ("plain", "spec"):  # each repeat's timed run, summing to the set's seconds
         runs = c[f"seconds_{e}_runs"]
         assert len(runs) == 2 and min(runs) > 0 and abs(sum(runs) - c[f"seconds_{e}"]) < 1e-3, (e, runs)
+    runs = c["spec_runs"]  # the speculative engine's counters per repeat: they add up to the set's
+    assert len(runs) == 2 and set(runs[0]) == set(spec_eval.RUN_STATS)
+    assert sum(r["spec_dispatch_steps"] for r in runs) == c["fused_steps"] > 0
+    assert all(r["prefill_tokens"] + r["prefix_cache_hit_tokens"] > 0 and r["host_step_s"] > 0 for r in runs)
     assert c["tau"] > 1.2 and c["acc"][0] > 0.1
     from specjax.adaptive import NGRAM_MIN_ACCEPT  # the acceptance gate is on by default for n-gram
     assert s["settings"]["min_accept"] == NGRAM_MIN_ACCEPT and c["fused_steps"] > 0 and c["lite_steps"] >= 0
