@@ -67,9 +67,9 @@ def _run(llm, prompts, params):
 
 
 # the speculative engine's counters reported for each timed repeat (Engine.stats(); `spec_runs` of a set)
-RUN_STATS = ("spec_dispatch_steps", "prefill_tokens", "prefix_cache_hit_tokens", "prefix_cache_evictions",
-             "num_preempted", "admitted_ahead", "admit_ahead_misses", "held_back_steps", "host_read_s",
-             "host_dispatch_s", "host_step_s")
+RUN_STATS = ("spec_dispatch_steps", "prefill_tokens", "prefix_cache_hits", "prefix_cache_hit_tokens",
+             "prefix_cache_evictions", "catch_ups", "catch_up_tokens", "num_preempted", "admitted_ahead",
+             "admit_ahead_misses", "held_back_steps", "host_read_s", "host_dispatch_s", "host_step_s")
 
 
 def _ids(llm, texts, chat: bool) -> list[list[int]]:
