@@ -15,7 +15,8 @@ or a draft directory (--draft).
               that the head can propose at all; every other token ends a step's accepted run
   tok/s       generated tokens / wall time around generate (after a warm-up that compiles every
               prompt-length bucket and the decode programs), plain and speculative; speed-up = ratio;
-              with --repeats N each set's timed runs repeat N times (alternating) and add up
+              with --repeats N each set's timed runs repeat N times (alternating) and add up; the JSON
+              also keeps each repeat's seconds and the speculative engine's counters over it (RUN_STATS)
   identical   prompts whose speculative output equals the plain output (greedy is lossless; bf16
               numerics of a verify step can differ from a decode step's in rare near-ties)
 Optionally (--hf-baseline), HF transformers on the same prompt ids, the same number of new tokens
