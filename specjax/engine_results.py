@@ -66,7 +66,8 @@ class ResultSteps:
             if counts is None:
                 t_b, lp_b, tl_b, ti_b = (None if x is None else x[b][:n] for x in (toks, lp, top_lp, top_ids))
             else:
-                t_b, lp_b, tl_b, ti_b = (None if x is None else [v for k, nk in enumerate(ns) for v in x[b][k][:nk]]
+                t_b, lp_b, tl_b, ti_b = (None if x is None else [v for k, nk in enumerate(counts[b]) if nk > 0
+                                                                 for v in x[b][k][:nk]]  # by step index
                                          for x in (toks, lp, top_lp, top_ids))
             if e.kind == "spec":
                 self.gate.observe(req, counts[b], e.after_lite)

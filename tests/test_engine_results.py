@@ -1,0 +1,56 @@
+"""The host's delivery of a fused dispatch's K steps (specjax.engine_results): row b's tokens of step k are
+toks[b][k][:n_k], taken by step index, and steps with n_k = 0 give nothing."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from specjax.engine_results import ResultSteps
+from specjax.request import Request
+from specjax.sampling_params import SamplingParams
+
+
+class _Gate:
+    def __init__(self):
+        self.seen = []
+
+    def observe(self, req, counts, after_lite):
+        self.seen.append(list(counts))
+
+
+def _engine(req):
+    sched = SimpleNamespace(slots=[req], inflight=np.array([3]), sure=np.array([3]), lens=np.array([5]),
+                            release=lambda slot: sched.slots.__setitem__(slot, None))
+    eng = SimpleNamespace(sched=sched, gate=_Gate(), reported=[])
+    eng._report = lambda r, toks: eng.reported.append(list(toks))
+    return eng
+
+
+def _request(max_tokens=20):
+    return Request(0, None, [1, 2, 3, 4, 5], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                   tokenizer=None, eos_ids=(0,), max_seq_len=64, seed=0)
+
+
+def test_tokens_are_taken_by_step_index():
+    """Counts [2, 0, 3]: the tokens of steps 0 and 2 (not of steps 0 and 1); lengths and mirrors follow."""
+    req = _request()
+    eng = _engine(req)
+    toks = [[[10, 11, -1, -1], [-1, -1, -1, -1], [20, 21, 22, -1]]]  # [B=1][K=3][S+1=4]
+    e = SimpleNamespace(kind="spec", advance=3, sure=3, after_lite=False)
+    ResultSteps._accept(eng, e, [(0, 0, req, req.epoch)], toks, None, None, None, [[2, 0, 3]], None)
+    assert req.token_ids == [10, 11, 20, 21, 22]
+    assert eng.reported == [[10, 11, 20, 21, 22]]
+    assert req.accept_lens == [2, 3]
+    assert int(eng.sched.lens[0]) == 10 and int(eng.sched.inflight[0]) == 0 and int(eng.sched.sure[0]) == 0
+
+
+def test_trailing_idle_steps_give_nothing():
+    """A row that finished on the device after step 0: its later steps (n = 0, tokens -1) add nothing."""
+    req = _request(max_tokens=3)
+    eng = _engine(req)
+    toks = [[[7, 8, 9, -1], [-1, -1, -1, -1], [-1, -1, -1, -1]]]
+    e = SimpleNamespace(kind="spec", advance=3, sure=3, after_lite=False)
+    ResultSteps._accept(eng, e, [(0, 0, req, req.epoch)], toks, None, None, None, [[3, 0, 0]], None)
+    assert req.token_ids == [7, 8, 9] and req.finished
+    assert eng.sched.slots[0] is None  # released on finishing
