@@ -4,6 +4,7 @@ outputs computed after its request finished, was cancelled or preempted are drop
 Engine (a mixin over its fields: sched, host, gate, _pending, _report)."""
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     from specjax.engine import _Dispatched
+
+log = logging.getLogger("specjax")
 
 
 def _as_rows(kind: str, x) -> np.ndarray:
@@ -69,6 +72,13 @@ class ResultSteps:
                 t_b, lp_b, tl_b, ti_b = (None if x is None else [v for k, nk in enumerate(counts[b]) if nk > 0
                                                                  for v in x[b][k][:nk]]  # by step index
                                          for x in (toks, lp, top_lp, top_ids))
+            V = self.cfg.vocab_size
+            if t_b and (min(t_b) < 0 or max(t_b) >= V):  # a fault on the device: this request fails, not the engine
+                why = (f"the device returned token ids outside the vocabulary [0, {V}) for this request "
+                       f"({[t for t in t_b if not 0 <= t < V][:4]}; {e.kind} dispatch, kernels {self.kernels})")
+                log.error("engine: request %s failed: %s", req.id, why)
+                self._fail_running(req, why)
+                continue
             if e.kind == "spec":
                 self.gate.observe(req, counts[b], e.after_lite)
             before = len(req.token_ids)

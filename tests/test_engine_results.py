@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from specjax.engine_grammar import GrammarSteps
 from specjax.engine_results import ResultSteps
 from specjax.request import Request
 from specjax.sampling_params import SamplingParams
@@ -22,8 +23,10 @@ class _Gate:
 def _engine(req):
     sched = SimpleNamespace(slots=[req], inflight=np.array([3]), sure=np.array([3]), lens=np.array([5]),
                             release=lambda slot: sched.slots.__setitem__(slot, None))
-    eng = SimpleNamespace(sched=sched, gate=_Gate(), reported=[])
-    eng._report = lambda r, toks: eng.reported.append(list(toks))
+    eng = SimpleNamespace(sched=sched, gate=_Gate(), reported=[], cfg=SimpleNamespace(vocab_size=100),
+                          kernels="Kernels(test)")
+    eng._report = lambda r, toks=(): eng.reported.append(list(toks))
+    eng._fail_running = lambda r, why: GrammarSteps._fail_running(eng, r, why)
     return eng
 
 
@@ -54,3 +57,22 @@ def test_trailing_idle_steps_give_nothing():
     ResultSteps._accept(eng, e, [(0, 0, req, req.epoch)], toks, None, None, None, [[3, 0, 0]], None)
     assert req.token_ids == [7, 8, 9] and req.finished
     assert eng.sched.slots[0] is None  # released on finishing
+
+
+def test_token_ids_outside_the_vocabulary_fail_the_request():
+    """A device fault that returns ids outside [0, vocab) fails that request with an error naming it (its slot
+    freed), instead of the detokenizer raising inside the engine for every request."""
+    req = _request()
+    req.slot = 0
+    eng = _engine(req)
+    toks = [[[10, -1, -1, -1], [3, 4, -1, -1]]]
+    e = SimpleNamespace(kind="spec", advance=2, sure=2, after_lite=False)
+    ResultSteps._accept(eng, e, [(0, 0, req, req.epoch)], toks, None, None, None, [[2, 2]], None)
+    assert req.finished and req.finish_reason == "error"
+    assert "outside the vocabulary [0, 100)" in req.error and "[-1]" in req.error
+    assert req.token_ids == [] and eng.sched.slots[0] is None and eng.reported == [[]]
+    big = _request()
+    eng = _engine(big)
+    ResultSteps._accept(eng, e, [(0, 0, big, big.epoch)], [[[5, 100, -1, -1], [1, -1, -1, -1]]], None, None, None,
+                        [[2, 1]], None)
+    assert big.finish_reason == "error" and "[100]" in big.error
