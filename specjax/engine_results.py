@@ -1,7 +1,8 @@
 """The engine's results (specjax.engine, step 4): dispatched outputs read on the host one step
 behind, and delivered to their requests; the host mirror of the device lengths follows. A row's
-outputs computed after its request finished, was cancelled or preempted are dropped. Part of
-Engine (a mixin over its fields: sched, host, gate, _pending, _report)."""
+outputs computed after its request finished, was cancelled or preempted are dropped; token ids outside
+the vocabulary (a device fault) fail their request alone. Part of Engine (a mixin over its fields: sched,
+host, gate, cfg, kernels, _pending, _report, _fail_running)."""
 from __future__ import annotations
 
 import logging
