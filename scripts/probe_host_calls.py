@@ -62,8 +62,13 @@ class CallTimes:
             return " ".join(w[:2]) if len(w) > 1 and w[1].startswith("K=") else w[0]
 
         eng.compiles.call = lambda what, fn, *a, **k: timed(named(what), call, what, fn, *a, **k)
+        self._restore = lambda: setattr(prog, "admit_slots", admit)
         prog.admit_slots = lambda *a, **k: timed("admit_slots", admit, *a, **k)
         eng._push_page_table = lambda: timed("page_table", push) if eng.alloc.dirty else push()
+
+    def close(self) -> None:
+        """Put programs.admit_slots back (the engine's own methods stay wrapped)."""
+        self._restore()
 
     def stable_args(self) -> None:
         """Pass the decode dispatches' numpy arguments as device arrays cached by content (module doc)."""
