@@ -72,10 +72,10 @@ class CallTimes:
 
     def stable_args(self) -> None:
         """Pass the decode dispatches' numpy arguments as device arrays cached by content (module doc)."""
-        import dataclasses
-
         import jax
         import numpy as np
+
+        from specjax.programs import StopRows
 
         cache, decode_call = {}, self.eng._decode_call
 
@@ -89,8 +89,7 @@ class CallTimes:
 
         def call(*a, **k):
             fn, args, kw = decode_call(*a, **k)
-            args = tuple(dataclasses.replace(v, **{f.name: dev(getattr(v, f.name)) for f in dataclasses.fields(v)})
-                         if dataclasses.is_dataclass(v) and type(v).__name__ == "StopRows" else dev(v) for v in args)
+            args = tuple(StopRows(*map(dev, v)) if isinstance(v, StopRows) else dev(v) for v in args)
             return fn, args, kw
 
         self.eng._decode_call = call

@@ -10,6 +10,7 @@ import numpy as np
 from helpers import IdTokenizer, load_script, tiny_config, tiny_model
 from specjax.drafter import DraftInfo
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
+from specjax.programs import StopRows
 from specjax.request import Request
 from specjax.sampling_params import SamplingParams
 from specjax.tree import SpecConfig
@@ -52,11 +53,12 @@ def test_calls_are_timed_by_program_and_stable_args_keep_the_tokens():
     ct2 = mod.CallTimes(eng2)
     try:
         ct2.stable_args()
-        seen = []
+        seen, stop_rows = [], []
         call = eng2.compiles.call
 
         def spy(what, fn, *a, **k):
             seen.append([x for x in a if isinstance(x, jax.Array) and x.ndim == 1 and x.dtype == jnp.int32])
+            stop_rows.extend(x for x in a if isinstance(x, StopRows))
             return call(what, fn, *a, **k)
         eng2.compiles.call = spy
         assert _run(eng2) == want
@@ -64,6 +66,9 @@ def test_calls_are_timed_by_program_and_stable_args_keep_the_tokens():
         assert len(decode) >= 2  # the dispatches' slots / limits arrive as device arrays
         first = [id(s[0]) for s in decode]  # equal slots at batch 1: the same buffer on every call
         assert len(set(first)) < len(first)
+        stops = [x.limit for x in stop_rows]  # the stop rows' arrays too
+        assert stops and all(isinstance(x, jax.Array) for x in stops)
+        assert len({id(x) for x in stops}) < len(stops)
     finally:
         ct2.close()
 
