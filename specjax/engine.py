@@ -200,7 +200,8 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         self.tier_switches = self.regrown = 0  # tier changes; rows given a new tree by one
         self.catch_ups = self.catch_up_tokens = 0  # their catch-up prefill calls and tokens
         self.held_back = 0  # steps that read the dispatches in flight instead of dispatching (_hold_back)
-        self.admitted_ahead = self.admit_ahead_misses = 0
+        self.admitted_ahead = self.admit_ahead_misses = self.admitted_early = 0
+        self._released_early: list[Request] = []  # released after a dispatch, not yet read (engine_ahead)
         self.dispatched_steps = dict.fromkeys(("decode", "spec", "lite", "lazy"), 0)  # the steps they ran
         self.info = self._describe(dtype, num_pages, kernel_note)
         log.info("engine: %s", self.info)
@@ -278,6 +279,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             "held_back_steps": self.held_back,  # no dispatch: those in flight were expected to finish every row
             "admitted_ahead": self.admitted_ahead,  # slots given to queued requests before their rows' last read
             "admit_ahead_misses": self.admit_ahead_misses,  # of those, rows that had not finished (re-admitted)
+            "admitted_early": self.admitted_early,  # of those, released right after their last dispatch
             "steps_per_call_cap": self.steps_cap.caps(self.batch_opts)[0 if self.draft is None else 1],
             **self.gate.stats(),  # lite dispatches chosen by the acceptance gate, its probes (specjax.adaptive)
             **self._dfa_counts(),  # constrained requests by path: device DFA / host grammar, DFA fallbacks
@@ -320,6 +322,11 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             if req.id == request_id:
                 req.cancel()
                 self.sched.release(slot)
+                self._report(req)
+                return True
+        for req in self._released_early:  # slot given up, last dispatch not read yet (engine_ahead)
+            if req.id == request_id and not req.finished:
+                req.cancel()
                 self._report(req)
                 return True
         return False
@@ -374,6 +381,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         self._take_compiled()
         if self.replica is not None:  # multi-host: the other processes take the same step
             self.replica.send("step")
+        early, self._released_early = self._released_early, []  # the last step's early releases: read below
         released = self._release_ahead()  # rows expected to finish in flight: their slots to the queue now
         pieces = self.sched.plan_prefill()
         if pieces:
@@ -407,8 +415,9 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
                 newest = self._constrained_step(rows)
             else:
                 newest = self._dispatch(rows)
+                self._admit_early()  # rows this dispatch finishes: the next request's prefill behind it
         self._collect(keep=newest if self.opts.async_loop else None)
-        self._requeue_missed(released)
+        self._requeue_missed(early + released)
         out = list(self._updates.values())
         self._updates.clear()
         return out

@@ -47,6 +47,8 @@ class SchedulerOptions:
     async_loop: bool = True  # dispatch step t+1 before reading step t (False: the synchronous reference)
     admit_ahead: bool = True  # a full batch whose rows are expected to finish with the dispatches in flight
     #                           gives their slots to queued requests before reading them (specjax.engine_ahead)
+    admit_early: bool = True  # admission ahead right after the dispatch that finishes the rows (not at the
+    #                           next step): the next request's prefill queues behind it (specjax.engine_ahead)
     overlap: bool = True  # grammars: compute the masks while the target forward runs (plain and speculative)
     grammar_drafts: bool = True  # grammar + speculation with a draft model / head: draft the grammar's
     #                              continuations into the trees (specjax.grammar_drafts; the n-gram drafter

@@ -31,7 +31,7 @@ def setup():
     return cfg, target, other_cfg, other, prompts
 
 
-def _engine(setup, draft: str | None, ahead: bool = True) -> Engine:
+def _engine(setup, draft: str | None, ahead: bool = True, early: bool = True) -> Engine:
     cfg, target, other_cfg, other, _ = setup
     d = None
     if draft == "self":
@@ -40,11 +40,11 @@ def _engine(setup, draft: str | None, ahead: bool = True) -> Engine:
         d = Draft(other, other_cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=3, topk=2,
                                                                    num_draft_tokens=6))
     return Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=1),
-                  jnp.float32, draft=d, sched=SchedulerOptions(admit_ahead=ahead))
+                  jnp.float32, draft=d, sched=SchedulerOptions(admit_ahead=ahead, admit_early=early))
 
 
-def _requests(prompts):
-    return [Request(i, None, p, PARAMS, IdTokenizer(), (96,), MAX_SEQ, 0) for i, p in enumerate(prompts)]
+def _requests(prompts, params=PARAMS):
+    return [Request(i, None, p, params, IdTokenizer(), (96,), MAX_SEQ, 0) for i, p in enumerate(prompts)]
 
 
 def _assert_clean(eng):
@@ -71,40 +71,49 @@ def want(setup):
     return _run(eng, setup[4])
 
 
+@pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("draft", [None, "self", "other"])
-def test_admission_ahead_equals_plain_greedy(setup, want, draft):
+def test_admission_ahead_equals_plain_greedy(setup, want, draft, early):
     """Each request boundary of the queued batch-1 run is crossed ahead (the rows finish certainly, or
-    by the estimate), and the tokens are plain greedy decoding's."""
-    eng = _engine(setup, draft)
+    by the estimate; early: right after the dispatch that finishes them), and the tokens are plain
+    greedy decoding's."""
+    eng = _engine(setup, draft, early=early)
     assert _run(eng, setup[4]) == want
     st = eng.stats()
     assert st["admitted_ahead"] >= 1, st
     assert st["admitted_ahead"] <= len(setup[4]) - 1  # the last request has no successor
     if draft in (None, "self"):  # plain rows finish certainly; the target as draft: 4 tokens per step
         assert st["admitted_ahead"] == len(setup[4]) - 1 and st["admit_ahead_misses"] == 0, st
+    if draft is None:  # early: every release right after the dispatch (a step's start never finds one)
+        assert st["admitted_early"] == (st["admitted_ahead"] if early else 0), st
+    elif not early:
+        assert st["admitted_early"] == 0, st
     off = _engine(setup, draft, ahead=False)
     assert _run(off, setup[4]) == want
     assert off.stats()["admitted_ahead"] == 0
 
 
-def test_wrong_estimates_readmit_the_request(setup, want, monkeypatch):
+@pytest.mark.parametrize("early", [True, False])
+def test_wrong_estimates_readmit_the_request(setup, want, monkeypatch, early):
     """An estimate that always says "done" releases rows that still need tokens: they are read,
     put back at the front of the queue, prefilled again with their tokens, and end as plain decoding
     would; every miss counts as a preemption."""
     monkeypatch.setattr(Engine, "_expected_done", _always_done)
-    eng = _engine(setup, "other")
+    eng = _engine(setup, "other", early=early)
     assert _run(eng, setup[4]) == want
     st = eng.stats()
     assert st["admit_ahead_misses"] >= 1, st
     assert st["num_preempted"] >= st["admit_ahead_misses"]
 
 
-def test_released_requests_are_read_within_the_step(setup, want, monkeypatch):
-    """The step that gives a slot away also reads the released rows' dispatches: after every step each
-    unfinished request is in the queue or a slot (so cancel reaches it); cancelling the request
-    re-admitted after a miss ends it alone, the others keep plain decoding's tokens."""
+@pytest.mark.parametrize("early", [True, False])
+def test_released_requests_are_read_within_the_step(setup, want, monkeypatch, early):
+    """The step that gives a slot away also reads the released rows' dispatches (early: the next step
+    does, and until then they are in `_released_early`): after every step each unfinished request is in
+    the queue, a slot or (early) that list, so cancel reaches it; cancelling the request re-admitted
+    after a miss ends it alone, the others keep plain decoding's tokens."""
     monkeypatch.setattr(Engine, "_expected_done", _always_done)
-    eng = _engine(setup, "other")
+    eng = _engine(setup, "other", early=early)
     reqs = _requests(setup[4])
     for r in reqs:
         eng.add_request(r)
@@ -112,6 +121,9 @@ def test_released_requests_are_read_within_the_step(setup, want, monkeypatch):
     while eng.has_unfinished():
         eng.step()
         placed = {id(r) for r in eng.sched.queue} | {id(r) for r in eng.slots if r is not None}
+        if not early:
+            assert not eng._released_early
+        placed |= {id(r) for r in eng._released_early}
         assert all(id(r) in placed for r in reqs if not r.finished)
         if victim is None and eng.admit_ahead_misses:
             victim = eng.sched.queue[0]  # the missed request, back at the front
@@ -121,3 +133,49 @@ def test_released_requests_are_read_within_the_step(setup, want, monkeypatch):
     for i, r in enumerate(reqs):
         if r is not victim:
             assert r.output().token_ids == want[i]
+
+
+def test_cancel_reaches_a_request_released_early(setup, want, monkeypatch):
+    """A request whose slot went to the next request right after its dispatch (not read yet) is
+    cancelled alone: its tokens stop, no page leaks, the others keep plain decoding's tokens."""
+    monkeypatch.setattr(Engine, "_expected_done", _always_done)
+    eng = _engine(setup, "other")
+    reqs = _requests(setup[4])
+    for r in reqs:
+        eng.add_request(r)
+    victim = None
+    while eng.has_unfinished():
+        eng.step()
+        if victim is None:
+            live = [r for r in eng._released_early if not r.finished]
+            if live:
+                victim = live[0]
+                assert victim not in eng.slots and victim not in eng.sched.queue
+                n = len(victim.token_ids)
+                assert eng.cancel(victim.id) and victim.finish_reason == "cancelled"
+                assert not eng.cancel(victim.id)  # once
+    assert victim is not None
+    assert len(victim.token_ids) == n and victim.finish_reason == "cancelled"  # its dispatch's tokens dropped
+    _assert_clean(eng)
+    for i, r in enumerate(reqs):
+        if r is not victim:
+            assert r.output().token_ids == want[i]
+
+
+def test_speculative_rows_released_early(setup):
+    """Longer speculative requests (several dispatches: the acceptance is measured before the last one):
+    their slots go to the next request right after the dispatch expected to finish them, and the tokens
+    are plain greedy decoding's."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [p[:12] for p in setup[4]]
+    plain = _engine(setup, None, ahead=False)
+    reqs = _requests(prompts, params)
+    plain.run(reqs)
+    want = [r.output().token_ids for r in reqs]
+    eng = _engine(setup, "self")
+    reqs = _requests(prompts, params)
+    eng.run(reqs)
+    _assert_clean(eng)
+    assert [r.output().token_ids for r in reqs] == want
+    st = eng.stats()
+    assert st["admitted_early"] >= 1 and st["admit_ahead_misses"] == 0, st
