@@ -138,6 +138,27 @@ def test_reference_matches_brute_force(B, page_size, A, layers, seed):
             np.testing.assert_array_equal(as_f32(after), brute_force(before, table, start, acc, nacc))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reference_in_place_on_this_backend(dtype):
+    """The reference as the engine runs it: jitted with the pages donated (so the scatter may update
+    them in place), a SmolLM2-sized entry (2 x 3 heads x 64), paths whose moves overlap (an entry
+    read by one move is written by another). Runs on whatever backend jax has (the GPU's fusion of
+    the gather into an in-place scatter is what it checks there; the CPU passes either way)."""
+    rng = np.random.default_rng(7)
+    fn = jax.jit(kv_compact_reference, donate_argnums=0)
+    for trial in range(4):
+        pages, table, start, acc, nacc = make_case(rng, B=4, layers=[((2, 3, 64), dtype)] * 2, page_size=16,
+                                                   A=8, n_nodes=16)
+        acc = np.asarray(acc).copy()
+        for b in range(acc.shape[0]):  # move j reads the entry that move 2j writes
+            acc[b] = [0] + [2 * j - (trial % 2) * (j > 1) for j in range(1, acc.shape[1])]
+        nacc = jnp.full_like(nacc, acc.shape[1])
+        want = [brute_force(p, table, start, acc, nacc) for p in pages]
+        got = fn(pages, table, start, jnp.asarray(acc), nacc)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(as_f32(g), w)
+
+
 @pytest.mark.parametrize("B,page_size,A,layers,seed", CASES)
 def test_pallas_matches_reference(B, page_size, A, layers, seed):
     rng = np.random.default_rng(100 + seed)
