@@ -47,8 +47,9 @@ class SchedulerOptions:
     async_loop: bool = True  # dispatch step t+1 before reading step t (False: the synchronous reference)
     admit_ahead: bool = True  # a full batch whose rows are expected to finish with the dispatches in flight
     #                           gives their slots to queued requests before reading them (specjax.engine_ahead)
-    admit_early: bool = True  # admission ahead right after the dispatch that finishes the rows (not at the
-    #                           next step): the next request's prefill queues behind it (specjax.engine_ahead)
+    admit_early: bool = False  # admission ahead right after the dispatch expected to finish the rows (not
+    #                            at the next step): the next request's prefill queues behind it; off: on an H200
+    #                            no faster at batch 1, 6x the misses (specjax.engine_ahead, docs/benchmarks.md)
     overlap: bool = True  # grammars: compute the masks while the target forward runs (plain and speculative)
     grammar_drafts: bool = True  # grammar + speculation with a draft model / head: draft the grammar's
     #                              continuations into the trees (specjax.grammar_drafts; the n-gram drafter
