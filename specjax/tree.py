@@ -365,12 +365,21 @@ def greedy_accept(tree: Tree, target_argmax):
     shadowed = jnp.any(good[:, None, :] & sibling_before, axis=2)  # a lower-index sibling matches: the walk takes it
     taken = (good & ~shadowed) | (idx == 0)[None, :]  # the root counts as taken
     reached = jnp.all(taken[:, None, :] | ~tree.mask, axis=2)  # [B, N] every node of its root path taken
-    # one reached node per depth in a tree built here; indices stay in range for any input (a padding
-    # row's stale tree): the first reached node of each depth, at most max_depth + 1 of them
-    count = jnp.minimum(jnp.sum(reached, axis=1, dtype=jnp.int32), max_depth + 1)
+    # one reached node per depth in a tree built here: the first reached node of each depth. For any
+    # other input (a padding row's stale tree; a tree whose depths or mask contradict its parents) the
+    # path is cut at the first depth whose node is not a taken child of the node before, so it is
+    # always a prefix of the walk's (greedy_accept_walk): every accepted token is the target's choice
+    # and no -1 lies within num_accepted
     at = reached[:, None, :] & (tree.depth[:, None, :] == jnp.arange(max_depth + 1, dtype=jnp.int32)[None, :, None])
-    accept_idx = jnp.where(jnp.any(at, axis=2), jnp.argmax(at, axis=2).astype(jnp.int32), -1)
-    cur = jnp.maximum(jnp.take_along_axis(accept_idx, (count - 1)[:, None], axis=1)[:, 0], 0)
+    first = jnp.where(jnp.any(at, axis=2), jnp.argmax(at, axis=2).astype(jnp.int32), -1).at[:, 0].set(0)  # [B, D + 1]
+    safe = jnp.maximum(first, 0)
+    prev = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), first[:, :-1]], axis=1)
+    linked = (first >= 0) & (jnp.take_along_axis(par, safe, axis=1) == prev) & jnp.take_along_axis(taken, safe, axis=1)
+    linked = linked.at[:, 0].set(True)  # the root
+    ok = jnp.cumprod(linked.astype(jnp.int32), axis=1)  # [B, D + 1]
+    count = jnp.sum(ok, axis=1, dtype=jnp.int32)
+    accept_idx = jnp.where(ok > 0, first, -1)
+    cur = jnp.take_along_axis(accept_idx, (count - 1)[:, None], axis=1)[:, 0]
     bonus = jnp.take_along_axis(t, cur[:, None], axis=1)[:, 0]
     return accept_idx, count, bonus
 

@@ -372,6 +372,35 @@ def test_greedy_accept_stale_tree_stays_in_range():
     assert ((acc >= -1) & (acc < n)).all() and ((num >= 1) & (num <= 4)).all() and (np.asarray(bonus) == 0).all()
 
 
+def test_greedy_accept_malformed_trees_cut_to_the_walks_prefix():
+    """Any tree, also one whose depths or ancestor mask contradict its parents (a draft gone wrong on
+    the device): the accepted path is a prefix of the walk's, with no -1 inside num_accepted, and the
+    bonus is the target's choice after its last node; so every token emitted is the target's greedy
+    choice, whatever the draft did (losslessness must not depend on the tree being well formed)."""
+    rng = np.random.default_rng(11)
+    B, n, D, V = 64, 9, 4, 3  # few token values: many matches, deep walks
+    for trial in range(6):
+        tokens = rng.integers(0, V, (B, n)).astype(np.int32)
+        parents = np.where(rng.random((B, n)) < 0.8, rng.integers(0, n, (B, n)), -1).astype(np.int32)
+        parents[:, 0] = -1
+        if trial % 2:  # parents before children (the layout of our trees), depths and mask still random
+            parents[:, 1:] = rng.integers(0, np.arange(1, n), (B, n - 1))
+        depth = rng.integers(0, D + 1, (B, n)).astype(np.int32)
+        mask = rng.random((B, n, n)) < 0.4
+        mask[:, np.arange(n), np.arange(n)] = rng.random((B, n)) < 0.8  # not always the node itself
+        tree = Tree(tokens=jnp.asarray(tokens), parents=jnp.asarray(parents), depth=jnp.asarray(depth),
+                    mask=jnp.asarray(mask), max_depth=D)
+        target = rng.integers(0, V, (B, n)).astype(np.int32)
+        acc, num, bonus = map(np.asarray, _accept(tree, jnp.asarray(target)))
+        w_acc, w_num, _ = map(np.asarray, _walk(tree, jnp.asarray(target)))
+        toks = np.asarray(accepted_tokens(tree, jnp.asarray(acc), jnp.asarray(num), jnp.asarray(bonus)))
+        for r in range(B):
+            k = int(num[r])
+            assert 1 <= k <= w_num[r] and (acc[r, :k] == w_acc[r, :k]).all() and (acc[r, k:] == -1).all()
+            assert bonus[r] == target[r, acc[r, k - 1]]
+            assert (toks[r, :k] >= 0).all() and (toks[r, :k - 1] == tokens[r, acc[r, 1:k]]).all()
+
+
 def test_greedy_accept_chain():
     root = jnp.array([1, 2, 3], jnp.int32)
     draft = jnp.array([[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]], jnp.int32)
