@@ -47,6 +47,25 @@ def _requests(prompts, params=PARAMS):
     return [Request(i, None, p, params, IdTokenizer(), (96,), MAX_SEQ, 0) for i, p in enumerate(prompts)]
 
 
+def _queued(setup, early: bool = True):
+    """A speculative engine (the wrong draft, the always-done estimate patched in by the caller) with
+    every request queued."""
+    eng = _engine(setup, "other", early=early)
+    reqs = _requests(setup[4])
+    for r in reqs:
+        eng.add_request(r)
+    return eng, reqs
+
+
+def _assert_others(eng, reqs, victim, want):
+    """The victim was found and cancelled; nothing leaked; every other request has plain greedy's tokens."""
+    assert victim is not None
+    _assert_clean(eng)
+    for i, r in enumerate(reqs):
+        if r is not victim:
+            assert r.output().token_ids == want[i]
+
+
 def _assert_clean(eng):
     assert all(s is None for s in eng.slots) and not eng.sched.queue
     assert not eng.has_unfinished()
@@ -113,10 +132,7 @@ def test_released_requests_are_read_within_the_step(setup, want, monkeypatch, ea
     the queue, a slot or (early) that list, so cancel reaches it; cancelling the request re-admitted
     after a miss ends it alone, the others keep plain decoding's tokens."""
     monkeypatch.setattr(Engine, "_expected_done", _always_done)
-    eng = _engine(setup, "other", early=early)
-    reqs = _requests(setup[4])
-    for r in reqs:
-        eng.add_request(r)
+    eng, reqs = _queued(setup, early)
     victim = None
     while eng.has_unfinished():
         eng.step()
@@ -128,21 +144,14 @@ def test_released_requests_are_read_within_the_step(setup, want, monkeypatch, ea
         if victim is None and eng.admit_ahead_misses:
             victim = eng.sched.queue[0]  # the missed request, back at the front
             assert eng.cancel(victim.id) and victim.finish_reason == "cancelled"
-    assert victim is not None
-    _assert_clean(eng)
-    for i, r in enumerate(reqs):
-        if r is not victim:
-            assert r.output().token_ids == want[i]
+    _assert_others(eng, reqs, victim, want)
 
 
 def test_cancel_reaches_a_request_released_early(setup, want, monkeypatch):
     """A request whose slot went to the next request right after its dispatch (not read yet) is
     cancelled alone: its tokens stop, no page leaks, the others keep plain decoding's tokens."""
     monkeypatch.setattr(Engine, "_expected_done", _always_done)
-    eng = _engine(setup, "other")
-    reqs = _requests(setup[4])
-    for r in reqs:
-        eng.add_request(r)
+    eng, reqs = _queued(setup)
     victim = None
     while eng.has_unfinished():
         eng.step()
@@ -154,12 +163,8 @@ def test_cancel_reaches_a_request_released_early(setup, want, monkeypatch):
                 n = len(victim.token_ids)
                 assert eng.cancel(victim.id) and victim.finish_reason == "cancelled"
                 assert not eng.cancel(victim.id)  # once
-    assert victim is not None
+    _assert_others(eng, reqs, victim, want)
     assert len(victim.token_ids) == n and victim.finish_reason == "cancelled"  # its dispatch's tokens dropped
-    _assert_clean(eng)
-    for i, r in enumerate(reqs):
-        if r is not victim:
-            assert r.output().token_ids == want[i]
 
 
 def test_speculative_rows_released_early(setup):
