@@ -383,11 +383,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             self.replica.send("step")
         early, self._released_early = self._released_early, []  # the last step's early releases: read below
         released = self._release_ahead()  # rows expected to finish in flight: their slots to the queue now
-        pieces = self.sched.plan_prefill()
-        if pieces:
-            self._pick_tier(sum(r is not None for r in self.sched.slots))  # admitted with the shape they will run
-            self._prefill(pieces)
-        elif self.sched.queue and not self.sched.running():  # an empty cache and still no room
+        if not self._prefill_planned() and self.sched.queue and not self.sched.running():  # no room, empty cache
             req = self.sched.queue.popleft()
             req.fail(self.sched.never_fits(req) or "the request does not fit the KV cache")
             self._report(req)
@@ -421,6 +417,15 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         out = list(self._updates.values())
         self._updates.clear()
         return out
+
+    def _prefill_planned(self) -> bool:
+        """Dispatch the prefill the scheduler plans now (unfinished chunks, queued requests admitted
+        into free slots); False if it plans none."""
+        pieces = self.sched.plan_prefill()
+        if pieces:
+            self._pick_tier(sum(r is not None for r in self.sched.slots))  # admitted with the shape they will run
+            self._prefill(pieces)
+        return bool(pieces)
 
     # -- host helpers -----------------------------------------------------------------------
     def _report(self, req: Request, tokens=()) -> None:

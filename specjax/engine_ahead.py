@@ -74,7 +74,4 @@ class AdmitAhead:
             return
         self._released_early.extend(released)
         self.admitted_early += len(released)
-        pieces = self.sched.plan_prefill()
-        if pieces:
-            self._pick_tier(sum(r is not None for r in self.sched.slots))
-            self._prefill(pieces)
+        self._prefill_planned()
