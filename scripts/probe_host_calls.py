@@ -7,7 +7,8 @@ Runs `LLM.generate` (one slot, greedy, EOS ignored) once to compile, then twice 
 time) and once with the device drained before every program call ("drained": the engine's state is waited for
 first, so the call's time is the host's own work: argument handling, the launch, XLA's command-buffer updates).
 Reports, per program (the engine's name for it: prefill, spec K=4, admit_slots, page-table pushes), the calls
-and the median and mean seconds of each mode, and the wall of the queued call. What a request boundary costs
+and the median and mean seconds of each mode ("NAME +device": drained, the call and its device work waited
+for), and the wall of the queued call. --handover: the engine with row hand-over (specjax.engine_handover). What a request boundary costs
 the host at batch 1 is the sum of its calls (a prefill, the n-gram history's admit_slots, a page-table push,
 the first fused dispatch) against the device work queued behind it (docs/benchmarks.md, session 38).
 
@@ -55,6 +56,9 @@ class CallTimes:
             t = time.perf_counter()
             out = fn(*a, **k)
             self.times[name].append(time.perf_counter() - t)
+            if self.drain:  # the call and its device work: drained before, waited for after
+                jax.block_until_ready(out)
+                self.times[name + " +device"].append(time.perf_counter() - t)
             return out
 
         def named(what):
@@ -135,6 +139,7 @@ def main(argv=None):
                    "arrays kept by content (module doc)")
     p.add_argument("--trace-host", action="store_true", help="a third call under jax.profiler.trace: host "
                    "events summed by name (module doc)")
+    p.add_argument("--handover", action="store_true", help="SchedulerOptions(handover=True) (row hand-over)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     import jax
@@ -143,8 +148,10 @@ def main(argv=None):
     from specjax.sampling_params import SamplingParams
 
     draft = a.draft or str(Path(__file__).resolve().parents[1] / "specjax/assets/eagle3-smollm2-135m")
+    from specjax.scheduler import SchedulerOptions
     llm = LLM(model=a.model, draft=None if draft == "none" else draft, dtype=a.dtype, max_batch=1,
-              attention=a.attention, kv_compact_impl=a.kv_compact_impl)
+              attention=a.attention, kv_compact_impl=a.kv_compact_impl,
+              scheduler=SchedulerOptions(handover=a.handover))
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [f"Write a short note number {i} about the weather, the sea and the mountains." for i in range(a.prompts)]
     ct = CallTimes(llm.engine)
@@ -169,6 +176,9 @@ def main(argv=None):
             llm.generate(prompts, sp)
         ct.on = False
         res["traced"] = {"calls": ct.summary(), "host_events": host_events(tdir)}
+    st = llm.engine.stats()
+    res["engine"] = {k: st.get(k) for k in ("handed_over", "admitted_ahead", "admit_ahead_misses", "held_back_steps",
+                                            "spec_dispatch_steps", "spec_dispatches")}
     res["tokens_sha1"] = hashlib.sha1(json.dumps([list(o.token_ids) for o in outs]).encode()).hexdigest()[:12]
     print(json.dumps(res, indent=1), flush=True)
     if a.json:

@@ -26,6 +26,10 @@ One engine step (`Engine.step`):
      step t+1 computed for it is dropped, so the outputs are those of the synchronous loop
      (SchedulerOptions(async_loop=False): read every step right after dispatching it).
 
+Row hand-over (SchedulerOptions.handover, specjax.engine_handover): a speculative engine with a spare
+slot per row prefills the next request ahead (after a step's dispatch); a fused dispatch's row runs it
+once its request ends, so no steps run past a request's end and the host launches no request boundary.
+
 Several JAX processes (specjax.multihost): every process runs this engine; process 0's `replica`
 sends the requests added / cancelled since the last step before each step, the others replay them,
 so all make the same decisions and dispatch the same programs.
@@ -52,6 +56,7 @@ from flax import nnx
 from specjax import attention as attn_lib
 from specjax import dispatch_plan
 from specjax.adaptive import AcceptanceGate
+from specjax.arg_cache import ArgCache
 from specjax.background_compile import BackgroundCompiles
 from specjax.compile_watch import CompileWatch, freeze_heap
 from specjax import programs as prog
@@ -60,6 +65,7 @@ from specjax.engine_catchup import CatchUpSteps
 from specjax.engine_dfa import DFASteps
 from specjax.engine_options import BatchOptions, CacheOptions, Draft, StepUpdate, check_speculate_below
 from specjax.engine_grammar import GrammarSteps
+from specjax.engine_handover import HandOver
 from specjax.engine_prefill import PrefillSteps
 from specjax.engine_results import ResultSteps
 from specjax.engine_setup import SetupChoices
@@ -87,9 +93,10 @@ class _Dispatched:
     advance: int  # positions per row counted in the scheduler's `inflight`
     sure: int = 0  # tokens per row counted in the scheduler's `sure` (each step gives >= 1 or finishes)
     after_lite: bool = False  # a fused dispatch right after lite ones (its first step verifies a stale tree)
+    succ_slots: frozenset = frozenset()  # rows' successors (row hand-over): no sure steps; out.slot says which ran
 
 
-class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, AdmitAhead, CatchUpSteps):
+class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, AdmitAhead, CatchUpSteps, HandOver):
     def __init__(self, model: nnx.Module, cfg, cache_opts: CacheOptions, batch_opts: BatchOptions, dtype,
                  draft: Draft | None = None, mesh=None, sched: SchedulerOptions | None = None, grammar=None,
                  kv_compact_impl: str = "auto", attention: str | attn_lib.AttnImpl = "auto",
@@ -140,10 +147,12 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             # a speculative step writes up to `lookahead` entries past a slot's length, also at the end
             # of the context: slots address max_seq_len + lookahead entries (specjax.scheduler, "Capacity")
             tail = self.lookahead
+        # slots: one per row, and with row hand-over a spare one per row for the next request (engine_handover)
+        self.num_slots = S = self._handover_slots(batch_opts.max_batch, draft)
         pages_per_slot = slot_pages(cache_opts.max_seq_len + tail, cache_opts.page_size)
-        num_pages = cache_opts.num_pages or batch_opts.max_batch * pages_per_slot + 1
+        num_pages = cache_opts.num_pages or S * pages_per_slot + 1
         self.sched = Scheduler(num_pages=num_pages, page_size=cache_opts.page_size, max_seq_len=cache_opts.max_seq_len,
-                               max_batch=batch_opts.max_batch, max_prefill_tokens=batch_opts.max_prefill_tokens,
+                               max_batch=S, max_rows=batch_opts.max_batch, max_prefill_tokens=batch_opts.max_prefill_tokens,
                                prefill_chunk=batch_opts.prefill_chunk, ahead=ahead, advance=advance, tail=tail,
                                prefix_caching=cache_opts.prefix_cache,
                                key_shift=draft.info.shift if draft is not None and draft.info.has_model else 0)
@@ -162,24 +171,25 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
 
         def make_state():
             cache = init_cache(cfg, num_pages=num_pages, page_size=cache_opts.page_size,
-                               max_slots=batch_opts.max_batch, max_seq_len=slot_len, dtype=dtype)
+                               max_slots=S, max_seq_len=slot_len, dtype=dtype)
             if draft is None:
                 from specjax.decode import DecodeState
-                return DecodeState(cache, jnp.zeros((batch_opts.max_batch,), jnp.int32))
+                return DecodeState(cache, jnp.zeros((S,), jnp.int32))
             from specjax.step import init_spec_state
             dkv = [] if draft.kv_cfg is None else init_cache(
-                draft.kv_cfg, num_pages=num_pages, page_size=cache_opts.page_size, max_slots=batch_opts.max_batch,
+                draft.kv_cfg, num_pages=num_pages, page_size=cache_opts.page_size, max_slots=S,
                 max_seq_len=slot_len, dtype=dtype).kv
             return init_spec_state(cache, dkv, draft.spec, cfg.vocab_size,
                                    tiers=() if draft.tiers is None else draft.tiers.specs)
 
-        self.samp: SamplingArrays = prog.init_samp(batch_opts.max_batch)  # per slot, on the device
+        self.samp: SamplingArrays = prog.init_samp(S)  # per slot, on the device
         if mesh is None:  # committed, as the programs' outputs are: later calls hit the same executables
             self.state, self.samp = self._commit((make_state(), self.samp))
         else:
             self.state = sharding.create_sharded(make_state, mesh, rules)
             self.samp = jax.device_put(self.samp, sharding.replicated(mesh))
         self._pending: deque[_Dispatched] = deque()
+        self.arg_cache = ArgCache()  # small dispatch arguments as device arrays kept by content
         self._updates: dict[int, StepUpdate] = {}
         self.replica = None  # multi-host, process 0: a specjax.multihost.Leader sending the commands below
         self.masks = MaskBuilder(self._width(), self.opts.mask_threads)  # grammar masks, built on the host
@@ -196,11 +206,12 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         self._last_cap = "none yet"  # the attention split cap of the last fused dispatch (_split_flags)
         self._lag = {}  # slot -> (request, epoch, draft length) of drafts left behind (specjax.engine_catchup)
         self.tier = 0  # the tree shape the dispatches run (draft.tiers; specjax.spec_tiers)
-        self._tree_tier = np.zeros(batch_opts.max_batch, np.int32)  # per slot: the tier its tree was grown by
+        self._tree_tier = np.zeros(S, np.int32)  # per slot: the tier its tree was grown by
         self.tier_switches = self.regrown = 0  # tier changes; rows given a new tree by one
         self.catch_ups = self.catch_up_tokens = 0  # their catch-up prefill calls and tokens
         self.held_back = 0  # steps that read the dispatches in flight instead of dispatching (_hold_back)
         self.admitted_ahead = self.admit_ahead_misses = self.admitted_early = 0
+        self.handed_over = 0  # rows that ran their successor inside a fused dispatch (engine_handover)
         self._released_early: list[Request] = []  # released after a dispatch, not yet read (engine_ahead)
         self.dispatched_steps = dict.fromkeys(("decode", "spec", "lite", "lazy"), 0)  # the steps they ran
         self.info = self._describe(dtype, num_pages, kernel_note)
@@ -280,6 +291,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             "admitted_ahead": self.admitted_ahead,  # slots given to queued requests before their rows' last read
             "admit_ahead_misses": self.admit_ahead_misses,  # of those, rows that had not finished (re-admitted)
             "admitted_early": self.admitted_early,  # of those, released right after their last dispatch
+            "handed_over": self.handed_over,  # rows that ran the next request inside a dispatch (row hand-over)
             "steps_per_call_cap": self.steps_cap.caps(self.batch_opts)[0 if self.draft is None else 1],
             **self.gate.stats(),  # lite dispatches chosen by the acceptance gate, its probes (specjax.adaptive)
             **self._dfa_counts(),  # constrained requests by path: device DFA / host grammar, DFA fallbacks
@@ -383,8 +395,10 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             self.replica.send("step")
         early, self._released_early = self._released_early, []  # the last step's early releases: read below
         released = self._release_ahead()  # rows expected to finish in flight: their slots to the queue now
-        if not self._prefill_planned() and self.sched.queue and not self.sched.running():  # no room, empty cache
-            req = self.sched.queue.popleft()
+        defer = self._defer_admission()  # row hand-over: queued requests admitted after the dispatch
+        if not defer and not self._prefill_planned(rows_only=self.handover) and self.sched.queue \
+                and not self.sched.running():
+            req = self.sched.queue.popleft()  # no room in an empty cache
             req.fail(self.sched.never_fits(req) or "the request does not fit the KV cache")
             self._report(req)
         if not self.opts.async_loop:
@@ -402,7 +416,10 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             if regrow or self._lagging():
                 self._catch_up(regrow)
                 rows = self.sched.stepping()
-        if rows and self._hold_back(rows):
+        succ = None
+        if self.handover:  # rows certainly finished give way to parked requests, which follow the others
+            rows, succ = self._handover_rows(rows)
+        if rows and not any(succ or ()) and self._hold_back(rows):
             rows = []  # read the dispatches in flight first: they are expected to finish every row
             self.held_back += 1
         if rows:
@@ -410,18 +427,21 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             if any(r.grammar is not None for _, r in rows):
                 newest = self._constrained_step(rows)
             else:
-                newest = self._dispatch(rows)
+                newest = self._dispatch(rows, succ=succ)
                 self._admit_early()  # rows this dispatch finishes: the next request's prefill behind it
+        if defer:
+            self._prefill_planned()
         self._collect(keep=newest if self.opts.async_loop else None)
         self._requeue_missed(early + released)
         out = list(self._updates.values())
         self._updates.clear()
         return out
 
-    def _prefill_planned(self) -> bool:
+    def _prefill_planned(self, rows_only: bool = False) -> bool:
         """Dispatch the prefill the scheduler plans now (unfinished chunks, queued requests admitted
-        into free slots); False if it plans none."""
-        pieces = self.sched.plan_prefill()
+        into free slots; rows_only: no more than the rows a step runs, the spare slots of row hand-over
+        are filled after the dispatch, in their own prefill); False if it plans none."""
+        pieces = self.sched.plan_prefill(self.batch_opts.max_batch if rows_only else None)
         if pieces:
             self._pick_tier(sum(r is not None for r in self.sched.slots))  # admitted with the shape they will run
             self._prefill(pieces)
@@ -452,12 +472,16 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
                     stochastic=(True if filters else sampling.UNFILTERED) if samplers else False,
                     dfa=any(r.dfa is not None for r in reqs))
 
-    def _push(self, kind, out, trees, rows, advance, steps) -> _Dispatched:
+    def _push(self, kind, out, trees, rows, advance, steps, succ=()) -> _Dispatched:
         """rows: (batch row, slot, request) of the rows whose outputs the host reads; advance: cache
-        entries a row may gain; steps: steps run (each gives an unfinished row >= 1 token)."""
+        entries a row may gain; steps: steps run (each gives an unfinished row >= 1 token); succ: (batch
+        row, slot, request) of the rows' successors (row hand-over: they may gain `advance`, no sure steps)."""
         for x in jax.tree.leaves((out, trees)):
             x.copy_to_host_async()
-        entry = _Dispatched(kind, out, trees, [(b, s, r, r.epoch) for b, s, r in rows], advance, steps)
+        entry = _Dispatched(kind, out, trees, [(b, s, r, r.epoch) for b, s, r in (*rows, *succ)], advance, steps,
+                            succ_slots=frozenset(s for _, s, _ in succ))
+        for _, s, _ in succ:
+            self.sched.inflight[s] += advance
         if kind != "prefill":
             self.dispatches[kind] += 1
             self.dispatched_steps[kind] += steps
@@ -468,11 +492,13 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         return entry
 
     # -- dispatch ---------------------------------------------------------------------------
-    def _dispatch(self, rows, grammar: bool = False) -> _Dispatched:
+    def _dispatch(self, rows, grammar: bool = False, succ: list | None = None) -> _Dispatched:
         """One decode dispatch over rows (plain, fused speculative or lite steps: specjax.dispatch_plan);
         grammar: with the masks (and grammar drafts) of its constrained rows, computed first (the
-        reference order, overlap off)."""
-        flags = self._flags([r for _, r in rows])
+        reference order, overlap off); succ: each row's successor (slot, request) or None (row hand-over,
+        specjax.engine_handover; fused steps only)."""
+        followers = [x for x in succ or () if x is not None]
+        flags = self._flags([r for _, r in rows] + [r for _, r in followers])
         b = self.batch_opts
         gated = (self.draft is not None and not grammar and not dispatch_plan.runs_lite(len(rows), b.speculate_below)
                  and self.gate.lite([r for _, r in rows], b.min_accept, b.probe_every))
@@ -487,7 +513,10 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated,
                                caps=self.steps_cap.chain(b), ready=ready,
                                spec=None if self.draft is None else self.spec)
-        flags = self._split_flags(p, rows, flags, rows_b(p.kind), grammar)
+        if p.kind != "spec" or grammar or (p.num_steps > 1 and not self.sched.ensure_extra(
+                [x for x, _ in followers], (p.num_steps - 1) * (self.spec.num_steps + 1))):
+            succ, followers = None, []  # no hand-over in this dispatch (pages for the successors' K steps)
+        flags = self._split_flags(p, rows, flags, rows_b(p.kind), grammar, also=followers)
         if p.wanted is not None:  # the adapted K's program is compiled off the engine thread meanwhile
             self._compile_later(p.kind, p.wanted, rows, flags)
         if grammar:
@@ -498,11 +527,12 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         mask, drafts = self._step_grammar(rows, len(slots)) if grammar else (None, None)
         self._push_page_table()  # pages the plan took for K steps
         t0 = time.perf_counter()
-        fn, args, kw = self._decode_call(p.kind, p.num_steps, rows, slots, active, mask, drafts, flags)
+        fn, args, kw = self._decode_call(p.kind, p.num_steps, rows, slots, active, mask, drafts, flags, succ)
         out, trees, self.state = self.compiles.call(lambda: f"{p.kind} K={p.num_steps} rows={len(slots)} {flags}",
                                                     fn, *args, **kw)
         self.host.add("dispatch", t0)
-        entry = self._push(p.kind, out, trees, [(b, s, r) for b, (s, r) in enumerate(rows)], p.advance, p.sure)
+        entry = self._push(p.kind, out, trees, [(b, s, r) for b, (s, r) in enumerate(rows)], p.advance, p.sure,
+                           [(b, *x) for b, x in enumerate(succ or ()) if x is not None])
         entry.after_lite = p.kind == "spec" and self._last_kind in ("lite", "lazy")
         self._last_kind = p.kind
         return entry
@@ -534,18 +564,19 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         caps = (attn_lib.SHORT_SPLITS, None) if rows <= attn_lib.SHORT_ROWS else (None,)
         return [dict(flags, max_splits=cap) for cap in caps]
 
-    def _split_flags(self, p, rows, flags: dict, rows_b: tuple, grammar: bool = False) -> dict:
+    def _split_flags(self, p, rows, flags: dict, rows_b: tuple, grammar: bool = False, also=()) -> dict:
         """A dispatch's flags with its attention split cap: fewer splits where every row stays short
         over the dispatch (dispatch_plan.context_bound). A variant's sibling is compiled on the worker
         thread ahead of its first use (the uncapped one once rows near SHORT_CONTEXT); a variant wanted
         before it is ready waits while the compiled one runs (outputs agree up to float rounding; it
         is only slower): crossing SHORT_CONTEXT never stalls the engine thread.
         Grammar batches (their masks' programs compile on first use, not in the background) keep the
-        kernels' own count: a switch would compile on the engine thread."""
+        kernels' own count: a switch would compile on the engine thread. also: more (slot, request) the
+        dispatch may run (row hand-over's successors), counted in the length bound."""
         variants = self._split_variants(p.kind, flags, rows_b[0])
         if len(variants) == 1 or grammar:
             return variants[-1]  # the uncapped one
-        bound = dispatch_plan.context_bound(rows, self.sched, p.advance)
+        bound = dispatch_plan.context_bound(list(rows) + list(also), self.sched, p.advance)
         want = attn_lib.split_cap(bound, rows_b[0])
         chosen, other = sorted(variants, key=lambda f: f["max_splits"] != want)
 
@@ -573,13 +604,19 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         """The ShapeReuse key of a decode program family (its static arguments, its tier)."""
         return ("decode", kind, K, self.tier, *flags.values())
 
-    def _decode_call(self, kind, K, rows, slots, active, mask, drafts, flags):
+    def _decode_call(self, kind, K, rows, slots, active, mask, drafts, flags, succ=None):
         """(program, arguments, static arguments) of a decode dispatch of K steps (K lite steps for
         kind "lite", K plain steps for "lazy"): a row that finishes stops changing state (lazy: as in
-        plain decoding, it runs to the dispatch's end and the host drops its tokens)."""
+        plain decoding, it runs to the dispatch's end and the host drops its tokens). succ: the rows'
+        successors (row hand-over: every fused dispatch of such an engine passes them, padding if none)."""
+        keep = self.arg_cache.tree if self.mesh is None else (lambda t: t)  # equal values, same buffers
+        slots, active = keep((slots, active))
         if self.draft is not None:
+            handover = self.handover and kind == "spec" and mask is None
+            stop = self._stop_rows(rows, len(slots), also=[x for x in succ or () if x is not None])
+            extra = (self._successor_arg(succ, len(slots), stop.ids.shape[1]),) if handover else ()
             return self.spec_steps.step, (self.weights, self.draft_weights, self.state, self.samp, slots, active, mask,
-                                          self._stop_rows(rows, len(slots)), drafts), \
+                                          keep(stop), drafts, *keep(extra)), \
                 dict(num_steps=K, lite=kind in ("lite", "lazy"), lazy=kind == "lazy", **flags)
         return self.steps.decode_many, (self.weights, self.state, self.samp, slots, active, mask), \
             dict(num_steps=K, **flags)
@@ -592,10 +629,10 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             slots, active = self.sched.row_slots(rows, num_rows=n)
             self.background.request(key, *self._decode_call(kind, K, rows, slots, active, None, None, flags))
 
-    def _stop_rows(self, rows, B: int) -> prog.StopRows:
-        """The rows' stop ids (EOS unless ignored, stop_token_ids; [B, E], E bucketed) and the
-        sequence length at which each is finished (prompt + max_len - 1)."""
-        E = bucket(max([len(r.stop_ids) for _, r in rows] + [1]), 4, 1 << 30)
+    def _stop_rows(self, rows, B: int, also=()) -> prog.StopRows:
+        """The rows' stop ids (EOS unless ignored, stop_token_ids; [B, E], E bucketed, wide enough for
+        the requests `also` too) and the sequence length at which each is finished (prompt + max_len - 1)."""
+        E = bucket(max([len(r.stop_ids) for _, r in list(rows) + list(also)] + [1]), 4, 1 << 30)
         ids = np.full((B, E), -1, np.int32)
         limit = np.zeros(B, np.int32)  # padding rows: finished at once
         for b, (_, r) in enumerate(rows):

@@ -38,7 +38,7 @@ class AdmitAhead:
         """Free the slots of rows expected to finish with the dispatches in flight when the queue waits
         for a slot and no other row decodes. Returns their requests (for _requeue_missed)."""
         s = self.sched
-        if (not self.opts.admit_ahead or not self.opts.async_loop or self.replica is not None
+        if (not self.opts.admit_ahead or not self.opts.async_loop or self.replica is not None or self.handover
                 or self.compiles_from_leader or not s.queue
                 or not self._pending or s.prefilling or any(r is None for r in s.slots)):
             return []

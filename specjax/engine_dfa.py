@@ -119,7 +119,7 @@ class DFASteps:
         if t is None:
             if not any(r.dfa is not None for _, r in group):
                 return None if self.state.dfa is None else tuple(self.state.dfa.next.shape[1:])
-            t = self._commit(dfa_lib.init_tables(self.batch_opts.max_batch, self.cfg.vocab_size, *limits))
+            t = self._commit(dfa_lib.init_tables(self.num_slots, self.cfg.vocab_size, *limits))
             self.state = dataclasses.replace(self.state, dfa=t)
         return tuple(t.next.shape[1:])
 
@@ -142,7 +142,7 @@ class DFASteps:
                 else:
                     raise RuntimeError(f"request {r.id}: no host grammar for a DFA fallback: {why}")
         dfa_rows = [(s, r) for s, r in group if r.dfa is not None]
-        M = self.batch_opts.max_batch
+        M = self.num_slots
         others = [s for s, r in group if r.dfa is None]
         if others:
             slots = np.full(bucket(len(others), 1, M), M, np.int32)

@@ -33,7 +33,7 @@ class PrefillSteps:
         tokens = np.zeros((B, T), np.int32)
         start, lens, next_ids = (np.zeros(B, np.int32) for _ in range(3))
         final, regrow = np.zeros(B, bool), np.zeros(B, bool)
-        slots = np.full(B, self.batch_opts.max_batch, np.int32)  # padding rows: out of range
+        slots = np.full(B, self.num_slots, np.int32)  # padding rows: out of range
         samp = SamplingArrays(np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros(B, np.int32),
                               np.zeros(B, np.uint32))
         for b, pc in enumerate(pieces):
@@ -72,7 +72,7 @@ class PrefillSteps:
         (Scheduler.uncached_len), so it may run on the shape its first prefill compiled instead of
         compiling its own (only a shape its uncached prefill could have taken); new text
         after a cached prefix (a shared system prompt) keeps its own short bucket."""
-        B = bucket(len(pieces), 1, self.batch_opts.max_batch)
+        B = bucket(len(pieces), 1, self.num_slots)
         T = self.sched.prefill_len(max(p.end - p.start for p in pieces))
         uncached = self.sched.prefill_len(max(self.sched.uncached_len(p) for p in pieces))
         return self.shapes.pick(("prefill", key), (B, T), limit=max(B * T, self.batch_opts.max_prefill_tokens),
@@ -82,13 +82,13 @@ class PrefillSteps:
         """The per-slot state of newly admitted slots that needs their whole sequence (a piece may
         hold part of it only): penalty state, n-gram history (programs.admit_slots)."""
         group = [(pc.slot, pc.req) for pc in firsts]
-        B = bucket(len(group), 1, self.batch_opts.max_batch)
+        B = bucket(len(group), 1, self.num_slots)
         pen = self._penalty_params(group, B)
         if self.state.penalties is None and getattr(self.state, "history", None) is None:
             return
         T = bucket(max(len(pc.ids) for pc in firsts), MIN_PREFILL_LEN, max(MIN_PREFILL_LEN, self.cache_opts.max_seq_len))
         tokens, lens = np.zeros((B, T), np.int32), np.zeros(B, np.int32)
-        slots = np.full(B, self.batch_opts.max_batch, np.int32)
+        slots = np.full(B, self.num_slots, np.int32)
         for b, pc in enumerate(firsts):
             tokens[b, :len(pc.ids)], lens[b], slots[b] = pc.ids, len(pc.ids), pc.slot
         self.state = prog.admit_slots(self.state, tokens, lens, slots, pen)
@@ -103,7 +103,7 @@ class PrefillSteps:
             if not any(r.params.has_penalties for _, r in group):
                 return None
             self.state = dataclasses.replace(self.state, penalties=self._commit(penalties.init_penalty_state(
-                self.batch_opts.max_batch, self.cfg.vocab_size)))
+                self.num_slots, self.cfg.vocab_size)))
         pad = [None] * (B - len(group))
         return penalties.penalty_params([r.params for _, r in group] + pad,
                                         [len(r.prompt_ids) for _, r in group] + [0] * len(pad))

@@ -33,14 +33,19 @@ class ResultSteps:
             self._accept_all([(e, e.rows, self._read(e))])
 
     def _read(self, e: _Dispatched) -> tuple:
-        """e's outputs on the host: (tokens, logprob, top logprobs, top ids, accepted counts, trees)."""
+        """e's outputs on the host: (tokens, logprob, top logprobs, top ids, accepted counts, trees, the
+        slot each row's steps ran: [B, K] with row hand-over, else None)."""
         t0 = time.perf_counter()
         toks, lp, top_lp, top_ids = (None if x is None else _as_rows(e.kind, x).tolist()  # nested lists, once
                                      for x in (e.out.tokens, e.out.logprob, e.out.top_logprobs, e.out.top_ids))
         counts = _as_rows(e.kind, e.out.num_accepted).tolist() if e.kind in ("spec", "lite", "lazy") else None
         trees = None if e.trees is None else tuple(np.asarray(t) for t in e.trees)
+        ran = getattr(e.out, "slot", None)
+        ran = None if ran is None else _as_rows(e.kind, ran).tolist()
+        if ran is not None:  # rows that ran a successor inside this dispatch (row hand-over)
+            self.handed_over += sum(r[0] != r[-1] for r in ran)
         self.host.add("read", t0)
-        return toks, lp, top_lp, top_ids, counts, trees
+        return toks, lp, top_lp, top_ids, counts, trees, ran
 
     def _accept_all(self, items) -> None:
         """Deliver [(dispatched, its rows, its outputs read)] (host phase "accept")."""
@@ -51,26 +56,28 @@ class ResultSteps:
         finally:
             self.host.add("accept", t0)
 
-    def _accept(self, e: _Dispatched, rows, toks, lp, top_lp, top_ids, counts, trees) -> None:
-        """Deliver rows [(batch row, slot, request, epoch)] of e's outputs."""
+    def _accept(self, e: _Dispatched, rows, toks, lp, top_lp, top_ids, counts, trees, ran=None) -> None:
+        """Deliver rows [(batch row, slot, request, epoch)] of e's outputs (ran: the slot of each row's
+        steps [B, K], row hand-over: a row's steps that ran another slot are not this request's)."""
         for b, slot, req, epoch in rows:
             if counts is None:
-                ns = [len(toks[b])]
+                cb = ns = [len(toks[b])]
             else:  # K fused steps: row b emitted toks[b][k][:n_k]; n_k = 0 once it finished on the device
-                ns = [n for n in counts[b] if n > 0]
+                cb = counts[b] if ran is None else [n if at == slot else 0 for n, at in zip(counts[b], ran[b])]
+                ns = [n for n in cb if n > 0]
             n = sum(ns)
             if self.sched.slots[slot] is req and req.epoch == epoch:  # host mirror of the device length
                 if e.kind == "lazy":  # its draft stays at the length before (specjax.engine_catchup)
                     self._note_lag(slot, req, epoch, int(self.sched.lens[slot]))
                 self.sched.inflight[slot] -= e.advance
-                self.sched.sure[slot] -= e.sure
+                self.sched.sure[slot] -= 0 if slot in e.succ_slots else e.sure
                 self.sched.lens[slot] += 0 if e.kind == "prefill" else n
             if req.finished or req.epoch != epoch:
                 continue  # computed after the request finished, was cancelled or preempted: dropped
             if counts is None:
                 t_b, lp_b, tl_b, ti_b = (None if x is None else x[b][:n] for x in (toks, lp, top_lp, top_ids))
             else:
-                t_b, lp_b, tl_b, ti_b = (None if x is None else [v for k, nk in enumerate(counts[b]) if nk > 0
+                t_b, lp_b, tl_b, ti_b = (None if x is None else [v for k, nk in enumerate(cb) if nk > 0
                                                                  for v in x[b][k][:nk]]  # by step index
                                          for x in (toks, lp, top_lp, top_ids))
             V = self.cfg.vocab_size
@@ -81,7 +88,7 @@ class ResultSteps:
                 self._fail_running(req, why)
                 continue
             if e.kind == "spec":
-                self.gate.observe(req, counts[b], e.after_lite)
+                self.gate.observe(req, cb, e.after_lite)
             before = len(req.token_ids)
             req.extend(t_b, lp_b, None if lp is None else [list(zip(i, v)) for i, v in zip(ti_b, tl_b)])
             if e.kind == "spec":  # the steps up to the one that finished the request (a stop string
@@ -95,5 +102,5 @@ class ResultSteps:
             if req.finished:
                 if self.sched.slots[slot] is req:
                     self.sched.release(slot)
-            elif trees is not None:
+            elif trees is not None and (ran is None or ran[b][-1] == slot):  # the row's tree at the end
                 req.tree = (trees[0][b], trees[1][b])

@@ -70,7 +70,7 @@ def _run(llm, prompts, params):
 # the speculative engine's counters reported for each timed repeat (Engine.stats(); `spec_runs` of a set)
 RUN_STATS = ("spec_dispatch_steps", "prefill_tokens", "prefix_cache_hits", "prefix_cache_hit_tokens",
              "prefix_cache_evictions", "catch_ups", "catch_up_tokens", "num_preempted", "admitted_ahead",
-             "admitted_early", "admit_ahead_misses", "held_back_steps", "host_read_s", "host_dispatch_s", "host_step_s")
+             "admitted_early", "admit_ahead_misses", "held_back_steps", "handed_over", "host_read_s", "host_dispatch_s", "host_step_s")
 
 
 def _ids(llm, texts, chat: bool) -> list[list[int]]:
@@ -121,7 +121,7 @@ def stalls(cat: dict) -> str:
     return f" (new programs while timed: plain {n[0]}, spec {n[1]})" if any(n) else ""
 
 
-BOUNDARY_STATS = ("admitted_ahead", "admitted_early", "admit_ahead_misses", "held_back_steps")  # Engine.stats() keys
+BOUNDARY_STATS = ("admitted_ahead", "admitted_early", "admit_ahead_misses", "held_back_steps", "handed_over")  # Engine.stats() keys
 
 
 def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: int | None = None,
@@ -131,13 +131,14 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
              max_batch: int = 1,
              max_tokens: int = MAX_TOKENS, dtype: str = "auto", max_seq_len: int = 2048,
              chat: bool | None = None, warmup_tokens: int = 8, min_accept="auto", draft_topk: str = "auto",
-             attention: str = "auto", repeats: int = 1, log=print) -> dict:
+             attention: str = "auto", repeats: int = 1, handover: bool = False, log=print) -> dict:
     """Plain vs speculative greedy decoding per category, the same tokens per prompt (EOS ignored)
     -> summary dict (see module doc). draft: a draft directory, "self" or "ngram"; min_accept: the
     speculative LLM's acceptance gate (LLM(min_accept=...), specjax.adaptive); draft_topk: its draft
     tree's top-k (LLM(draft_topk=...)); attention: both LLMs' paged attention (LLM(attention=...)).
     repeats: timed runs of each set per engine, alternating plain and speculative; seconds, tokens and
-    step counts add up over them, τ and the outputs are the last run's (greedy: the same tokens)."""
+    step counts add up over them, τ and the outputs are the last run's (greedy: the same tokens).
+    handover: the speculative engine's row hand-over (SchedulerOptions.handover, specjax.engine_handover)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     import dataclasses
@@ -158,8 +159,10 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
         spec_cfg = default_spec(draft, method, max_batch, ngram_branch=ngram_branch, ngram_max=ngram_max,
                                 ngram_min=ngram_min)
     plain = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len, attention=attention)
+    from specjax.scheduler import SchedulerOptions
     spec = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len, draft=draft, spec=spec_cfg,
-               min_accept=min_accept, draft_topk=draft_topk, attention=attention)
+               min_accept=min_accept, draft_topk=draft_topk, attention=attention,
+               scheduler=SchedulerOptions(handover=handover))
     spec_cfg = spec.spec
     num_steps, topk = spec_cfg.num_steps, spec_cfg.topk
     vocab = draft_vocab_ids(draft, method, plain.cfg)
@@ -262,7 +265,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     settings = {"model": str(plain.model_dir), "draft": str(draft), "method": spec_cfg.method,
                 "num_steps": num_steps, "topk": topk, "num_draft_tokens": spec_cfg.num_draft_tokens,
                 "max_batch": max_batch, "max_tokens": max_tokens, "ignore_eos": True, "dtype": plain.dtype, "chat": chat,
-                "repeats": repeats,
+                "repeats": repeats, "handover": handover,
                 "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "min_accept": gate,
                 "draft_vocab_size": None if vocab is None else len(vocab),
                 "attention_plain": plain.engine.attention_choice["attention"],
@@ -479,6 +482,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs of each set per engine, alternating (seconds, tokens and steps add up; "
                    "a set's run is short on a GPU, so repeats steady the tokens/s)")
+    p.add_argument("--handover", action="store_true",
+                   help="the speculative engine hands a fused dispatch's row over to the next request, prefilled "
+                        "ahead into a spare slot, once its request ends (SchedulerOptions.handover)")
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("--json", help="write the summary as JSON")
     p.add_argument("--markdown", help="write the table as markdown")
@@ -544,7 +550,8 @@ def cmd_eval(a) -> int:
                        ngram_branch=a.ngram_branch, max_batch=a.max_batch, max_tokens=a.max_tokens, dtype=a.dtype,
                        max_seq_len=a.max_seq_len,
                        chat=False if a.raw else None, warmup_tokens=a.warmup_tokens, min_accept=a.min_accept,
-                       draft_topk=a.draft_topk, attention=a.attention, repeats=a.repeats, log=log)
+                       draft_topk=a.draft_topk, attention=a.attention, repeats=a.repeats, handover=a.handover,
+                       log=log)
     ids = summary.pop("prompt_ids")
     if a.hf_baseline:
         hf = summary["hf"] = hf_baseline(_gguf(a), ids, a.max_tokens, a.hf_device, a.hf_lookup_tokens,

@@ -164,6 +164,17 @@ class StopRows(NamedTuple):
     limit: jax.Array
 
 
+class Successors(NamedTuple):
+    """Row hand-over (SchedulerOptions.handover): each row's next request, prefilled ahead into a slot
+    of its own. Inside a multi-step dispatch a row whose request has no live step left (finished by a
+    step of this dispatch or before it: SpecState.done, its length limit) runs its successor's request
+    for the remaining steps, once per dispatch, so the steps after a request's end are not lost and the
+    host has no request boundary to launch. slots: [B] int32 (max_slots or more: none); stop: the
+    successors' StopRows ([B, E] as the rows', [B])."""
+    slots: jax.Array
+    stop: StopRows
+
+
 def no_stop(batch: int) -> StopRows:
     """Stop conditions that never stop a row (benchmarks, program tests)."""
     return StopRows(jnp.full((batch, 1), -1, jnp.int32), jnp.full((batch,), jnp.iinfo(jnp.int32).max, jnp.int32))
@@ -181,7 +192,8 @@ class SpecPrograms(NamedTuple):
     prefill: Callable  # (tw, dw, state, samp_all, rows: PrefillRows, samp, mask, drafts=None, *, ...)
     #                    -> (out, trees, state, samp_all)
     step: Callable  # fused, K steps: (tw, dw, state, samp_all, slots, active, mask, stop: StopRows, drafts=None,
-    #                 *, num_steps, lite=False, lazy=False, ...) -> (SpecOut with [K, B] fields, trees, state);
+    #                 succ: Successors | None = None, *, num_steps, lite=False, lazy=False, ...)
+    #                 -> (SpecOut with [K, B] fields, trees, state); with succ, out.slot [K, B] the slots run;
     #                 a mask or grammar drafts need K == 1; lite: K lite steps (step.spec_lite_step), no mask;
     #                 lazy (with lite): K plain steps, the draft left behind (specjax.lazy_draft);
     #                 max_splits: attention splits at most (attention.split_cap: rows known to be short)
@@ -225,13 +237,48 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
     def prefill(tw, dw, state, samp_all, rows, samp, mask, drafts=None, *, want_logprobs, stochastic, dfa=False):
         out, state = bound(step_lib.spec_prefill_rows, tw, dw, state, rows, samp, want_logprobs=want_logprobs,
                            stochastic=stochastic, token_mask=mask, grammar_drafts=drafts, dfa=dfa, kernels=kernels)
+        if state.done is not None:  # the slots' new requests have not finished
+            state = dataclasses.replace(state, done=state.done.at[rows.slots].set(False, mode="drop"))
         return out, _trees(state, rows.slots), state, _put_rows(samp_all, rows.slots, samp)
 
-    def fused(tw, dw, state, samp_all, slots, active, mask, stop, drafts=None, *, num_steps, want_logprobs,
-              stochastic, lite=False, lazy=False, dfa=False, max_splits=None):
+    def fused(tw, dw, state, samp_all, slots, active, mask, stop, drafts=None, succ=None, *, num_steps,
+              want_logprobs, stochastic, lite=False, lazy=False, dfa=False, max_splits=None):
         with attn_lib.splits_at_most(max_splits):  # attention kernels split rows' keys at most so (static)
+            if succ is not None:
+                assert not lite and mask is None and drafts is None, "row hand-over: fused steps, no grammar"
+                return handover_steps(tw, dw, state, samp_all, slots, active, stop, succ, num_steps=num_steps,
+                                      want_logprobs=want_logprobs, stochastic=stochastic, dfa=dfa)
             return fused_steps(tw, dw, state, samp_all, slots, active, mask, stop, drafts, num_steps=num_steps,
                                want_logprobs=want_logprobs, stochastic=stochastic, lite=lite, lazy=lazy, dfa=dfa)
+
+    def handover_steps(tw, dw, state, samp_all, slots, active, stop, succ, *, num_steps, want_logprobs, stochastic,
+                       dfa):
+        """K fused steps whose rows hand over to their successors (Successors): each step runs the slots
+        `cur` [B]; a row without a live request takes its successor (slot, stop conditions) while it has
+        not yet; a step that finishes a row's request marks its slot done."""
+        S = state.cache.seq_lens.shape[0]
+
+        def live(state, act, cur, limit):  # [B] bool: act, and the slot's request not finished
+            rs = jnp.minimum(cur, S - 1)
+            return act & (cur < S) & (state.cache.seq_lens[rs] < limit) & ~state.done[rs]
+
+        def body(carry, _):
+            state, act, cur, stop, pend = carry
+            act = live(state, act, cur, stop.limit)
+            take = ~act & pend & live(state, pend, succ.slots, succ.stop.limit)
+            cur = jnp.where(take, succ.slots, cur)
+            stop = StopRows(jnp.where(take[:, None], succ.stop.ids, stop.ids), jnp.where(take, succ.stop.limit, stop.limit))
+            act, pend = act | take, pend & ~take
+            out, state = bound(step_lib.spec_step, tw, dw, state, cur, act, _take_rows(samp_all, cur),
+                               want_logprobs=want_logprobs, stochastic=stochastic, kernels=kernels, dfa=dfa)
+            fin = act & _finished(out, state.cache.seq_lens[jnp.minimum(cur, S - 1)], stop)
+            state = dataclasses.replace(state, done=state.done.at[cur].set(state.done[jnp.minimum(cur, S - 1)] | fin,
+                                                                           mode="drop"))
+            return (state, act & ~fin, cur, stop, pend), dataclasses.replace(out, slot=cur)
+
+        (state, _, cur, _, _), outs = jax.lax.scan(body, (state, active, slots, stop, succ.slots < S), None,
+                                                   length=num_steps)
+        return outs, _trees(state, cur), state
 
     def fused_steps(tw, dw, state, samp_all, slots, active, mask, stop, drafts, *, num_steps, want_logprobs,
                     stochastic, lite, lazy, dfa):

@@ -50,6 +50,8 @@ class SchedulerOptions:
     admit_early: bool = False  # admission ahead right after the dispatch expected to finish the rows (not
     #                            at the next step): the next request's prefill queues behind it; off: on an H200
     #                            no faster at batch 1, 6x the misses (specjax.engine_ahead, docs/benchmarks.md)
+    handover: bool = False  # a speculative engine gets a spare slot per row where the next request is prefilled
+    #                         ahead; a fused dispatch's row runs it once its request ends (specjax.engine_handover)
     overlap: bool = True  # grammars: compute the masks while the target forward runs (plain and speculative)
     grammar_drafts: bool = True  # grammar + speculation with a draft model / head: draft the grammar's
     #                              continuations into the trees (specjax.grammar_drafts; the n-gram drafter
@@ -111,16 +113,18 @@ def bucket(n: int, lo: int, hi: int) -> int:
 class Scheduler:
     def __init__(self, *, num_pages: int, page_size: int, max_seq_len: int, max_batch: int,
                  max_prefill_tokens: int, ahead: int, advance: int, tail: int = 0, prefix_caching: bool = False,
-                 key_shift: int = 0, prefill_chunk: int | None = None):
+                 key_shift: int = 0, prefill_chunk: int | None = None, max_rows: int | None = None):
         """ahead: cache entries one step may touch past a slot's length (pages to hold);
         advance: the most one step adds to a slot's length; tail: cache entries a slot needs past
         max_seq_len (a speculative engine: its lookahead). prefix_caching: share the KV pages of
         cached prefixes; key_shift: tokens after a page that its content depends on (the draft's
         shift, specjax.prefix_cache); prefill_chunk: the longest piece of one prompt in a prefill call
-        (None: max_prefill_tokens)."""
+        (None: max_prefill_tokens). max_batch: the slots; max_rows: the most rows a decode step runs (None:
+        max_batch); the other prefilled slots wait, `parked` (row hand-over: specjax.engine_handover)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
+        self.max_rows = max_batch if max_rows is None else max_rows
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_chunk = prefill_chunk or max_prefill_tokens  # checked by BatchOptions
         self.prefix_caching, self.key_shift = prefix_caching, key_shift
@@ -144,9 +148,20 @@ class Scheduler:
         """(slot, request) of the occupied slots, in slot order."""
         return [(i, r) for i, r in enumerate(self.slots) if r is not None]
 
-    def decoding(self) -> list[tuple[int, Request]]:
-        """The running slots whose prefill is complete (they take part in decode steps)."""
+    def _prefilled(self) -> list[tuple[int, Request]]:
         return [(i, r) for i, r in enumerate(self.slots) if r is not None and i not in self.prefilling]
+
+    def decoding(self) -> list[tuple[int, Request]]:
+        """The running slots whose prefill is complete (they take part in decode steps): the max_rows
+        oldest by arrival, in slot order."""
+        done = self._prefilled()
+        if len(done) <= self.max_rows:
+            return done
+        return sorted(sorted(done, key=lambda x: x[1].arrival)[: self.max_rows])
+
+    def parked(self) -> list[tuple[int, Request]]:
+        """Prefilled slots beyond the max_rows decoding ones, oldest first (they wait for a row)."""
+        return sorted(self._prefilled(), key=lambda x: x[1].arrival)[self.max_rows:]
 
     def stepping(self) -> list[tuple[int, Request]]:
         """The decoding slots the next step can still give tokens: not those whose dispatched steps
@@ -201,7 +216,7 @@ class Scheduler:
 
     def rows_bucket(self, n: int, min_rows: int = 2) -> int:
         """The padded row count of a step over n rows (a power-of-two bucket >= min_rows)."""
-        return bucket(max(n, min_rows), min_rows, max(min_rows, self.max_batch))
+        return bucket(max(n, min_rows), min_rows, max(min_rows, self.max_rows))
 
     def row_slots(self, rows: list[tuple[int, Request]], min_rows: int = 2,
                   num_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -237,13 +252,14 @@ class Scheduler:
         self.prefilling.pop(slot, None)
         self.lens[slot] = self.inflight[slot] = self.sure[slot] = 0
 
-    def plan_prefill(self) -> list[Piece]:
+    def plan_prefill(self, max_running: int | None = None) -> list[Piece]:
         """The pieces of this step's prefill call: the next chunk of each unfinished prefill (oldest
         first), then queued requests admitted into free slots (FCFS) while the token budget
         (rows x padded length <= max_prefill_tokens) and the pages last. An admitted request gets
         pages for its whole prefill plus one step, after those it shares from the prefix cache;
         pages the running requests need for their next step are kept back, so that admission
-        rarely forces a preemption. The pages the pieces complete are registered for reuse."""
+        rarely forces a preemption. The pages the pieces complete are registered for reuse.
+        max_running: admit only while fewer slots than this are running (None: any free slot)."""
         pieces: list[Piece] = []
         longest = 0
 
@@ -259,6 +275,8 @@ class Scheduler:
             pieces.append(Piece(slot, self.slots[slot], ids, start, start + n, first=False))
             longest = max(longest, n)
         free = [i for i, r in enumerate(self.slots) if r is None]
+        if max_running is not None:
+            free = free[: max(0, max_running - sum(r is not None for r in self.slots))]
         held = sum(self.alloc.pages_needed(s, self._target(s)) for s, _ in self.running())
         while self.queue and free:
             req = self.queue[0]

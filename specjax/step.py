@@ -118,6 +118,9 @@ class SpecState:
     penalties: PenaltyState | None = None  # None: no penalties (compiled out)
     history: jax.Array | None = None  # [max_slots, W] int32 tokens x_0 .. x_L (n-gram drafter only)
     dfa: dfa_lib.DFATables | None = None  # per-slot regex DFAs, state after the root (specjax.device_dfa)
+    done: jax.Array | None = None  # [max_slots] bool: the slot's request finished on the device (a stop id or
+    #                                its length limit in a multi-step dispatch; cleared by its prefill), so
+    #                                later dispatches leave it alone (specjax.programs, row hand-over)
 
 
 @jax.tree_util.register_dataclass
@@ -129,6 +132,7 @@ class SpecOut:
     logprob: jax.Array | None = None  # [B, num_steps + 1] float32
     top_logprobs: jax.Array | None = None  # [B, num_steps + 1, K]
     top_ids: jax.Array | None = None  # [B, num_steps + 1, K]
+    slot: jax.Array | None = None  # [B] int32 the slot each row ran (row hand-over: specjax.programs)
 
 
 def init_spec_state(cache: KVCache, draft_kv: list, spec: SpecConfig, vocab_size: int,
@@ -150,7 +154,7 @@ def init_spec_state(cache: KVCache, draft_kv: list, spec: SpecConfig, vocab_size
     return SpecState(cache=cache, draft_kv=list(draft_kv), draft_seq_lens=jnp.zeros((S,), jnp.int32),
                      tree_tokens=jnp.zeros((S, N), jnp.int32), tree_parents=jnp.full((S, N), -1, jnp.int32),
                      tree_depth=jnp.zeros((S, N), jnp.int32), draft_probs=probs, penalties=penalties,
-                     history=history)
+                     history=history, done=jnp.zeros((S,), bool))
 
 
 def lookahead(spec: SpecConfig, info: DraftInfo) -> int:
@@ -212,7 +216,7 @@ def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, 
                          state.draft_probs, probs if probs is not None else 0.0),
                      penalties=state.penalties if penalties is None else penalties,
                      history=state.history if history is None else history,
-                     dfa=state.dfa if dfa is None else dfa)
+                     dfa=state.dfa if dfa is None else dfa, done=state.done)
 
 
 def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState,

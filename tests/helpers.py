@@ -141,3 +141,28 @@ def load_script(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def draft_setup(lengths) -> tuple:
+    """(cfg, target, other_cfg, other, prompts) for speculative engine tests: a tiny target, a one-layer
+    draft that is often wrong, random prompts of these lengths (ids < 96)."""
+    cfg = tiny_config()
+    other_cfg = tiny_config(num_hidden_layers=1)
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(0, 96, size=n)] for n in lengths]
+    return cfg, tiny_model(cfg, seed=0), other_cfg, tiny_model(other_cfg, seed=5), prompts
+
+
+def draft_of(setup, kind: str | None):
+    """The Draft of draft_setup's models: "self" (the target as a chain draft), "other" (the wrong draft
+    as a tree) or None (plain decoding)."""
+    from specjax.drafter import DraftInfo
+    from specjax.engine import Draft
+    from specjax.tree import SpecConfig
+    cfg, target, other_cfg, other, _ = setup
+    if kind == "self":
+        return Draft(target, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=3, topk=1))
+    if kind == "other":
+        return Draft(other, other_cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=3, topk=2,
+                                                                       num_draft_tokens=6))
+    return None

@@ -5,16 +5,13 @@ re-admitted after a wrong estimate can be cancelled alone."""
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from helpers import IdTokenizer, tiny_config, tiny_model
-from specjax.drafter import DraftInfo
-from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
+from helpers import IdTokenizer, draft_setup, draft_of as make_draft
+from specjax.engine import BatchOptions, CacheOptions, Engine
 from specjax.request import Request
 from specjax.sampling_params import SamplingParams
 from specjax.scheduler import SchedulerOptions
-from specjax.tree import SpecConfig
 
 MAX_SEQ = 64
 PARAMS = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -22,25 +19,13 @@ PARAMS = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = tiny_config()
-    target = tiny_model(cfg, seed=0)
-    other_cfg = tiny_config(num_hidden_layers=1)
-    other = tiny_model(other_cfg, seed=5)  # a draft that is often wrong
-    rng = np.random.default_rng(1)
-    prompts = [[int(t) for t in rng.integers(0, 96, size=n)] for n in (5, 19, 2, 11)]
-    return cfg, target, other_cfg, other, prompts
+    return draft_setup((5, 19, 2, 11))
 
 
 def _engine(setup, draft: str | None, ahead: bool = True, early: bool = True) -> Engine:
-    cfg, target, other_cfg, other, _ = setup
-    d = None
-    if draft == "self":
-        d = Draft(target, cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=3, topk=1))
-    elif draft == "other":
-        d = Draft(other, other_cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=3, topk=2,
-                                                                   num_draft_tokens=6))
+    cfg, target = setup[:2]
     return Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=1),
-                  jnp.float32, draft=d, sched=SchedulerOptions(admit_ahead=ahead, admit_early=early))
+                  jnp.float32, draft=make_draft(setup, draft), sched=SchedulerOptions(admit_ahead=ahead, admit_early=early))
 
 
 def _requests(prompts, params=PARAMS):

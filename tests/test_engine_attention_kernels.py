@@ -32,8 +32,8 @@ def _run(cfg, model, prompts, attention, draft=None, page_size=4, split_caps=Non
         eng.background = Held()  # until two dispatches have run
         choose = eng._split_flags
 
-        def chosen(*a):
-            flags = choose(*a)
+        def chosen(*a, **kw):
+            flags = choose(*a, **kw)
             split_caps.append(flags.get("max_splits", "no cap"))
             if len(split_caps) == 2:
                 eng.background.gate.set()

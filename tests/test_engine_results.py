@@ -40,7 +40,7 @@ def test_tokens_are_taken_by_step_index():
     req = _request()
     eng = _engine(req)
     toks = [[[10, 11, -1, -1], [-1, -1, -1, -1], [20, 21, 22, -1]]]  # [B=1][K=3][S+1=4]
-    e = SimpleNamespace(kind="spec", advance=3, sure=3, after_lite=False)
+    e = SimpleNamespace(kind="spec", advance=3, sure=3, after_lite=False, succ_slots=frozenset())
     ResultSteps._accept(eng, e, [(0, 0, req, req.epoch)], toks, None, None, None, [[2, 0, 3]], None)
     assert req.token_ids == [10, 11, 20, 21, 22]
     assert eng.reported == [[10, 11, 20, 21, 22]]
@@ -53,7 +53,7 @@ def test_trailing_idle_steps_give_nothing():
     req = _request(max_tokens=3)
     eng = _engine(req)
     toks = [[[7, 8, 9, -1], [-1, -1, -1, -1], [-1, -1, -1, -1]]]
-    e = SimpleNamespace(kind="spec", advance=3, sure=3, after_lite=False)
+    e = SimpleNamespace(kind="spec", advance=3, sure=3, after_lite=False, succ_slots=frozenset())
     ResultSteps._accept(eng, e, [(0, 0, req, req.epoch)], toks, None, None, None, [[3, 0, 0]], None)
     assert req.token_ids == [7, 8, 9] and req.finished
     assert eng.sched.slots[0] is None  # released on finishing
@@ -66,7 +66,7 @@ def test_token_ids_outside_the_vocabulary_fail_the_request():
     req.slot = 0
     eng = _engine(req)
     toks = [[[10, -1, -1, -1], [3, 4, -1, -1]]]
-    e = SimpleNamespace(kind="spec", advance=2, sure=2, after_lite=False)
+    e = SimpleNamespace(kind="spec", advance=2, sure=2, after_lite=False, succ_slots=frozenset())
     ResultSteps._accept(eng, e, [(0, 0, req, req.epoch)], toks, None, None, None, [[2, 2]], None)
     assert req.finished and req.finish_reason == "error"
     assert "outside the vocabulary [0, 100)" in req.error and "[-1]" in req.error
@@ -76,3 +76,20 @@ def test_token_ids_outside_the_vocabulary_fail_the_request():
     ResultSteps._accept(eng, e, [(0, 0, big, big.epoch)], [[[5, 100, -1, -1], [1, -1, -1, -1]]], None, None, None,
                         [[2, 1]], None)
     assert big.finish_reason == "error" and "[100]" in big.error
+
+
+def test_handed_over_steps_go_to_the_slot_that_ran_them():
+    """Row hand-over: a row ran slot 0's request for steps 0-1 and slot 1's (its successor) for step 2:
+    each request gets its own steps' tokens; the successor's slot has no sure steps to give back."""
+    first, second = _request(max_tokens=5), _request()
+    eng = _engine(first)
+    s = eng.sched
+    s.slots.append(second)
+    s.inflight, s.sure, s.lens = np.array([3, 3]), np.array([3, 0]), np.array([5, 5])
+    toks = [[[10, 11, 12, -1], [13, 14, -1, -1], [20, 21, -1, -1]]]
+    e = SimpleNamespace(kind="spec", advance=3, sure=3, after_lite=False, succ_slots=frozenset({1}))
+    rows = [(0, 0, first, first.epoch), (0, 1, second, second.epoch)]
+    ResultSteps._accept(eng, e, rows, toks, None, None, None, [[3, 2, 2]], None, [[0, 0, 1]])
+    assert first.token_ids == [10, 11, 12, 13, 14] and first.finished and s.slots[0] is None
+    assert second.token_ids == [20, 21] and second.accept_lens == [2]
+    assert int(s.lens[1]) == 7 and int(s.inflight[1]) == 0 and int(s.sure[1]) == 0

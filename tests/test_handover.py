@@ -1,0 +1,148 @@
+"""Row hand-over (specjax.engine_handover): a speculative engine with a spare slot per row runs the next
+request, prefilled ahead, in a fused dispatch's steps after a row's request ends. Greedy tokens equal
+plain decoding (float32), sampled tokens equal the engine without hand-over (same seeds: the random
+streams are keyed by request and position), requests ending by a stop id or by max_tokens hand over,
+nothing leaks, a parked request can be cancelled alone, steady state compiles nothing."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from helpers import IdTokenizer, draft_setup, draft_of as make_draft
+from specjax.drafter import DraftInfo
+from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
+from specjax.request import Request
+from specjax.sampling_params import SamplingParams
+from specjax.scheduler import SchedulerOptions
+from specjax.spec_tiers import SpecTiers
+from specjax.tree import SpecConfig
+
+MAX_SEQ = 64
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return draft_setup((5, 19, 2, 11, 7, 3))
+
+
+def _engine(setup, draft: str | None, handover: bool = True, max_batch: int = 1) -> Engine:
+    cfg, target = setup[:2]
+    return Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=max_batch),
+                  jnp.float32, draft=make_draft(setup, draft), sched=SchedulerOptions(handover=handover))
+
+
+def _requests(prompts, params):
+    ps = params if isinstance(params, list) else [params] * len(prompts)
+    return [Request(i, None, p, ps[i], IdTokenizer(), (96,), MAX_SEQ, 1000 + i) for i, p in enumerate(prompts)]
+
+
+def _assert_clean(eng):
+    assert all(s is None for s in eng.slots) and not eng.sched.queue
+    assert not eng.has_unfinished()
+    assert eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1  # no page leaked
+
+
+def _run(eng, prompts, params=GREEDY):
+    reqs = _requests(prompts, params)
+    eng.run(reqs)
+    _assert_clean(eng)
+    return [r.output().token_ids for r in reqs]
+
+
+@pytest.mark.parametrize("draft,max_batch", [("other", 1), ("self", 1), ("other", 2)])
+def test_greedy_equals_plain(setup, draft, max_batch):
+    prompts = setup[4]
+    want = _run(_engine(setup, None, max_batch=max_batch), prompts)
+    eng = _engine(setup, draft, max_batch=max_batch)
+    assert eng.num_slots == 2 * max_batch and eng.handover
+    assert _run(eng, prompts) == want
+    if draft == "other":  # (the target as its own draft finishes rows certainly: replaced between dispatches)
+        assert eng.handed_over > 0  # some row ran the next request inside a dispatch
+    assert eng.admitted_ahead == 0  # no slot given up before its last read (hold-backs: the last request only)
+
+
+def test_stop_ids_and_short_requests(setup):
+    """Requests ending by a stop id (SpecState.done keeps a finished row from running again before the
+    host reads it) and by small max_tokens, mixed: greedy tokens equal plain's, rows hand over."""
+    prompts = setup[4]
+    probe = _run(_engine(setup, None), prompts)
+    stop = probe[0][3]  # a token plain decoding emits early for the first prompt
+    params = [SamplingParams(max_tokens=n, temperature=0, stop_token_ids=[stop], ignore_eos=True)
+              for n in (20, 3, 20, 1, 9, 20)]
+    want = _run(_engine(setup, None), prompts, params)
+    assert any(len(w) < p.max_tokens for w, p in zip(want, params))  # the stop id ends some request
+    eng = _engine(setup, "other")
+    assert _run(eng, prompts, params) == want
+    assert eng.handed_over > 0
+
+
+def test_sampling_equals_without_handover(setup):
+    """Sampled speculative tokens do not depend on hand-over: a successor's rows use its own sampling
+    parameters and seed (per-slot arrays), the draws are keyed by request and position."""
+    prompts = setup[4]
+    params = [SamplingParams(max_tokens=16, temperature=t, top_p=p, ignore_eos=True)
+              for t, p in ((0.9, 1.0), (0.0, 1.0), (1.2, 0.8), (0.7, 1.0), (0.0, 1.0), (1.0, 0.9))]
+    want = _run(_engine(setup, "other", handover=False), prompts, params)
+    eng = _engine(setup, "other")
+    assert _run(eng, prompts, params) == want
+    assert eng.handed_over > 0
+
+
+def test_cancel_parked_request(setup):
+    """A request parked in a spare slot (prefilled, waiting) is cancelled alone: its slot and pages
+    are freed, the others' tokens are plain greedy's."""
+    prompts = setup[4]
+    want = _run(_engine(setup, None), prompts)
+    eng = _engine(setup, "other")
+    reqs = _requests(prompts, GREEDY)
+    for r in reqs:
+        eng.add_request(r)
+    victim = None
+    while eng.has_unfinished():
+        eng.step()
+        parked = eng.sched.parked()
+        if victim is None and parked:
+            victim = parked[0][1]
+            assert eng.cancel(victim.id)
+    assert victim is not None and victim.output().finish_reason == "cancelled"
+    _assert_clean(eng)
+    for i, r in enumerate(reqs):
+        if r is not victim:
+            assert r.output().token_ids == want[i]
+
+
+def test_second_run_compiles_nothing(setup):
+    prompts = setup[4]
+    eng = _engine(setup, "other")
+    first = _run(eng, prompts)
+    n = eng.num_compiled()
+    assert _run(eng, prompts) == first
+    assert eng.num_compiled() == n
+
+
+def test_handover_with_tiers_is_refused(setup):
+    cfg, target, other_cfg, other, _ = setup
+    tiers = SpecTiers.of([(1, SpecConfig(method="draft", num_steps=3, topk=2, num_draft_tokens=6)),
+                          (2, SpecConfig(method="draft", num_steps=2))])
+    d = Draft(other, other_cfg, DraftInfo("draft"), tiers.specs[-1], tiers)
+    with pytest.raises(ValueError, match="handover"):
+        Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=2),
+               jnp.float32, draft=d, sched=SchedulerOptions(handover=True))
+
+
+def test_plain_engine_has_no_spare_slots(setup):
+    eng = _engine(setup, None)
+    assert eng.num_slots == 1 and not eng.handover
+
+
+def test_tight_cache_preempts_parked_requests(setup):
+    """With too few KV pages for a row and its parked successor, the parked one gives its pages back
+    (preempted, re-admitted later); tokens equal plain greedy, nothing leaks."""
+    cfg, target, _, _, prompts = setup
+    want = _run(_engine(setup, None), prompts)
+    d = _engine(setup, "other").draft
+    eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, num_pages=18), BatchOptions(max_batch=1),
+                 jnp.float32, draft=d, sched=SchedulerOptions(handover=True))
+    assert _run(eng, prompts) == want
+    assert eng.num_preempted > 0
