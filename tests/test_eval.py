@@ -190,10 +190,12 @@ def test_eval_shipped_head_small_run(tmp_path, monkeypatch, caplog):
     assert "| gsm8k |" in (tmp_path / "eval.md").read_text() and (tmp_path / "eval.png").stat().st_size > 1000
 
 
-def test_eval_ngram_small_run(tmp_path, capsys):
+@pytest.mark.parametrize("handover", [False, True])
+def test_eval_ngram_small_run(tmp_path, capsys, handover):
     """`specjax eval --speculate ngram` on two short prompts whose answers copy them (f32, a tree,
     two timed runs per engine): outputs equal plain decoding, the same work, and the drafts are
-    accepted (τ > 1)."""
+    accepted (τ > 1); with --handover (row hand-over: the second prompt prefilled while the first runs)
+    the same, and no slot given up ahead."""
     from specjax.default_model import ensure_default
     ensure_default()
     src, out = tmp_path / "copy.jsonl", tmp_path / "eval.json"
@@ -202,9 +204,12 @@ def test_eval_ngram_small_run(tmp_path, capsys):
         "Rewrite this sentence in the past tense: The children walk to school and play in the park.")))
     rc = cli.main(["eval", "--speculate", "ngram", "--prompts", str(src), "--max-tokens", "24", "--dtype", "float32",
                    "--max-seq-len", "128", "--num-steps", "4", "--topk", "2", "--warmup-tokens", "2",
-                   "--attention", "reference", "--repeats", "2", "--json", str(out)])
+                   "--attention", "reference", "--repeats", "2", "--json", str(out), *(["--handover"] * handover)])
     assert rc == 0, capsys.readouterr().err
     s = json.loads(out.read_text())
+    assert s["settings"]["handover"] is handover
+    if handover:
+        assert s["overall"]["admitted_ahead"] == 0
     assert (s["settings"]["method"], s["settings"]["draft"], s["settings"]["ngram_max"]) == ("ngram", "ngram", 4)
     assert "reference (forced)" in s["settings"]["attention_plain"] == s["settings"]["attention_spec"]
     c = s["categories"]["copy"]
