@@ -613,8 +613,8 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         slots, active = keep((slots, active))
         if self.draft is not None:
             handover = self.handover and kind == "spec" and mask is None
-            stop = self._stop_rows(rows, len(slots), also=[x for x in succ or () if x is not None])
-            extra = (self._successor_arg(succ, len(slots), stop.ids.shape[1]),) if handover else ()
+            stop = self._stop_rows(rows, len(slots), also=succ or ())
+            extra = (self._successor_arg(rows, succ, len(slots)),) if handover else ()
             return self.spec_steps.step, (self.weights, self.draft_weights, self.state, self.samp, slots, active, mask,
                                           keep(stop), drafts, *keep(extra)), \
                 dict(num_steps=K, lite=kind in ("lite", "lazy"), lazy=kind == "lazy", **flags)
@@ -631,11 +631,14 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
 
     def _stop_rows(self, rows, B: int, also=()) -> prog.StopRows:
         """The rows' stop ids (EOS unless ignored, stop_token_ids; [B, E], E bucketed, wide enough for
-        the requests `also` too) and the sequence length at which each is finished (prompt + max_len - 1)."""
-        E = bucket(max([len(r.stop_ids) for _, r in list(rows) + list(also)] + [1]), 4, 1 << 30)
+        the requests `also` too) and the sequence length at which each is finished (prompt + max_len - 1).
+        A row given as None (and rows past len(rows)) is padding: finished at once."""
+        E = bucket(max([len(x[1].stop_ids) for x in (*rows, *also) if x is not None] + [1]), 4, 1 << 30)
         ids = np.full((B, E), -1, np.int32)
-        limit = np.zeros(B, np.int32)  # padding rows: finished at once
-        for b, (_, r) in enumerate(rows):
-            ids[b, :len(r.stop_ids)] = sorted(r.stop_ids)
-            limit[b] = len(r.prompt_ids) + r.max_len - 1
+        limit = np.zeros(B, np.int32)
+        for b, x in enumerate(rows):
+            if x is not None:
+                r = x[1]
+                ids[b, :len(r.stop_ids)] = sorted(r.stop_ids)
+                limit[b] = len(r.prompt_ids) + r.max_len - 1
         return prog.StopRows(ids, limit)

@@ -65,13 +65,10 @@ class HandOver:
                 out.append(parked.pop(0))
         return out, [parked.pop(0) if parked else None for _ in out]
 
-    def _successor_arg(self, succ: list | None, B: int, E: int) -> prog.Successors:
-        """The programs' Successors for B rows (padding: slot num_slots, never live), stop ids [B, E]."""
+    def _successor_arg(self, rows: list, succ: list | None, B: int) -> prog.Successors:
+        """The programs' Successors for B rows (padding: slot num_slots, never live); their stop rows as
+        wide as the rows' (Engine._stop_rows)."""
+        succ = list(succ or ())
         slots = np.full(B, self.num_slots, np.int32)
-        ids, limit = np.full((B, E), -1, np.int32), np.zeros(B, np.int32)
-        for b, x in enumerate(succ or ()):
-            if x is not None:
-                slot, r = x
-                slots[b], limit[b] = slot, len(r.prompt_ids) + r.max_len - 1
-                ids[b, :len(r.stop_ids)] = sorted(r.stop_ids)
-        return prog.Successors(slots, prog.StopRows(ids, limit))
+        slots[: len(succ)] = [self.num_slots if x is None else x[0] for x in succ]
+        return prog.Successors(slots, self._stop_rows(succ, B, also=rows))
