@@ -1,7 +1,7 @@
 """Acceptance-gated speculation: lite steps while the drafts do not repay the fused step.
 
 A fused step costs c_spec and emits tau tokens per row (the tokens its verification accepts, plus
-one); a lite step (specjax.step.spec_lite_step: plain decoding that keeps the draft in sync) costs
+one); a lite step (specjax.step_lite.spec_lite_step: plain decoding that keeps the draft in sync) costs
 about a plain step, c_lite, and emits one. Speculation pays iff tau > c_spec / c_lite, the
 break-even acceptance (`min_accept`). Measured on an H100 for SmolLM2-135M at batch 1: an n-gram
 chain step costs 1.36 ms against 1.01 ms per plain token (break-even 1.35, docs/benchmarks.md), so

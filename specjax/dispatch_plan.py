@@ -4,7 +4,7 @@ KV pages those steps need beyond the scheduler's one-step reservation. Host only
     rows (slot, request) of the step, grammar or not
     -> kind  "decode"  plain decoding (an engine without a draft)
              "spec"    fused speculative steps (specjax.step.spec_step)
-             "lite"    lite steps (specjax.step.spec_lite_step: plain decoding that keeps the draft in
+             "lite"    lite steps (specjax.step_lite.spec_lite_step: plain decoding that keeps the draft in
                        sync), for a speculative engine's batch of >= speculate_below rows
              "lazy"    instead of "lite" for an EAGLE head (BatchOptions.lazy_draft): plain decoding's
                        program, the draft left behind and caught up when it is read again
@@ -165,7 +165,7 @@ def plan(rows, grammar: bool, batch_opts, sched: Scheduler, draft=None, lookahea
     if kind == "decode":
         return DispatchPlan("decode", K, K, K, wanted)
     if kind in ("lite", "lazy"):  # a lazy step touches L .. L + K - 1, fewer than lite_lookahead
-        from specjax.step import lite_lookahead
+        from specjax.step_lite import lite_lookahead
         extra = lite_lookahead(draft.info, K) - lookahead  # one lite step touches <= 2 <= lookahead entries
         if extra > 0 and not sched.ensure_extra(slots, extra):
             K = 1

@@ -30,6 +30,8 @@ request that did not finish (as above); until then such a request is in `_releas
 finds it there)."""
 from __future__ import annotations
 
+from specjax.request import Request
+
 
 class AdmitAhead:
     """Engine's admission ahead (module doc)."""
@@ -75,3 +77,21 @@ class AdmitAhead:
         self._released_early.extend(released)
         self.admitted_early += len(released)
         self._prefill_planned()
+
+    def _hold_back(self, rows) -> bool:
+        """Whether a speculative engine skips this step's dispatch because the fused steps in flight are
+        expected to finish every row: a row's `sure` tokens (one per fused step in flight) times its
+        measured tokens per fused step reach its max_tokens. A fused dispatch has a static number of
+        steps and runs one ahead of the host, so the next one would otherwise run whole past the end
+        (the eval measured 4.0 such steps per 256-token request, 4.4 % of its fused steps). If the
+        estimate was wrong, the step after the read dispatches again: one host round trip lost.
+        Plain decoding needs no estimate (its rows' tokens per step are known: Scheduler.stepping)."""
+        return all(self._expected_done(s, r) for s, r in rows)
+
+    def _expected_done(self, slot: int, req: Request) -> bool:
+        """A speculative row's fused steps in flight are expected to reach its max_tokens (its `sure`
+        steps times its measured tokens per fused step; _hold_back, specjax.engine_ahead)."""
+        kinds = {e.kind for e in self._pending}
+        if self.draft is None or "spec" not in kinds or kinds & {"lite", "lazy"}:  # those give one token each
+            return False
+        return req.accept_ema is not None and len(req.token_ids) + self.sched.sure[slot] * req.accept_ema >= req.max_len

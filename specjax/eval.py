@@ -22,9 +22,10 @@ or a draft directory (--draft).
 Optionally (--hf-baseline), HF transformers on the same prompt ids, the same number of new tokens
 (EOS ignored) and the same machine (torch; GPU when available), loading the model from its GGUF
 file: greedy `generate`, and prompt-lookup decoding (`generate(prompt_lookup_num_tokens=K,
-max_matching_ngram_size=n)`), the peer of the n-gram drafter.
+max_matching_ngram_size=n)`), the peer of the n-gram drafter (specjax.eval_hf).
 A CPU run of the defaults takes hours: `--quick` is a short one (a warning says so).
-Outputs: a markdown table (stdout and --markdown), a PNG (tau per category + speed-up bars), --json.
+Outputs: a markdown table (stdout and --markdown), a PNG (tau per category + speed-up bars; both
+specjax.eval_report), --json.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from specjax import eval_hf, eval_report
 from specjax.assets import PROMPT_SETS as DEFAULT_SETS, PROMPTS_DIR  # the shipped prompt sets
 
 MAX_TOKENS = 256
@@ -275,166 +277,6 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     return {"settings": settings, "categories": cats, "overall": tot, "prompt_ids": ids}
 
 
-# ----------------------------------------------------------------------------- HF transformers peer
-
-
-def hf_baseline(gguf: str | Path, ids: dict[str, list[list[int]]], max_tokens: int, device: str = "auto",
-                lookup_tokens: int = 10, lookup_ngram: int = 2, log=print) -> dict:
-    """HF transformers, model loaded from its GGUF file: hf_timings on `device` (auto: cuda if
-    torch sees a GPU), bfloat16 on a GPU, float32 on the CPU."""
-    import torch
-    import transformers
-
-    gguf = Path(gguf)
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
-    out = hf_timings(model.to(dev).eval(), ids, max_tokens, lookup_tokens, lookup_ngram, log)
-    return {"device": dev, "dtype": str(dtype).replace("torch.", ""), "gguf": str(gguf), **out}
-
-
-def hf_timings(model, ids: dict[str, list[list[int]]], max_tokens: int, lookup_tokens: int = 10,
-               lookup_ngram: int = 2, log=print) -> dict:
-    """HF `generate` at batch 1, greedy, exactly max_tokens new tokens per prompt (EOS ignored, as
-    in run_eval): plain, then prompt-lookup decoding (prompt_lookup_num_tokens=lookup_tokens,
-    max_matching_ngram_size=lookup_ngram; lookup_tokens 0: plain only) -> tok/s per category;
-    identical_lookup counts prompts where both give the same tokens (greedy lookup is lossless)."""
-    import copy
-
-    import torch
-
-    dev = str(model.device)
-    gc = copy.deepcopy(model.generation_config)
-    gc.eos_token_id = []  # equal work: no early stop (None would fall back to the model's EOS)
-    gc.do_sample, gc.max_new_tokens, gc.min_new_tokens = False, max_tokens, None
-    if gc.pad_token_id is None:
-        gc.pad_token_id = 0
-    for k in ("temperature", "top_p", "top_k"):  # greedy: no sampling settings (HF warns otherwise)
-        setattr(gc, k, None)
-    modes = {"plain": gc}
-    if lookup_tokens:
-        modes["lookup"] = copy.deepcopy(gc)
-        modes["lookup"].prompt_lookup_num_tokens = lookup_tokens
-        modes["lookup"].max_matching_ngram_size = lookup_ngram
-
-    def gen(p, config):
-        x = torch.tensor([p], device=dev)
-        with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
-        if dev.startswith("cuda"):
-            torch.cuda.synchronize()
-        return out[0, x.shape[1]:].tolist()
-
-    first = next(p for ps in ids.values() for p in ps)
-    for config in modes.values():
-        gen(first, config)  # warm-up
-    cats = {}
-    for c, ps in ids.items():
-        outs, secs = {}, {}
-        for mode, config in modes.items():
-            t = time.perf_counter()
-            outs[mode] = [gen(p, config) for p in ps]
-            secs[mode] = time.perf_counter() - t
-        n = sum(map(len, outs["plain"]))
-        cats[c] = {"tokens": n, "seconds": round(secs["plain"], 4), "tok_s": n / secs["plain"] if secs["plain"] else 0.0}
-        if "lookup" in outs:
-            nl = sum(map(len, outs["lookup"]))
-            cats[c].update(tokens_lookup=nl, seconds_lookup=round(secs["lookup"], 4),
-                           tok_s_lookup=nl / secs["lookup"] if secs["lookup"] else 0.0,
-                           identical_lookup=sum(a == b for a, b in zip(outs["plain"], outs["lookup"])))
-            cats[c]["speedup_lookup"] = cats[c]["tok_s_lookup"] / cats[c]["tok_s"] if cats[c]["tok_s"] else 0.0
-        log(f"[eval] HF {c}: {cats[c]['tok_s']:.1f} tok/s" + (
-            f", prompt lookup {cats[c]['tok_s_lookup']:.1f} tok/s ({cats[c]['speedup_lookup']:.2f}x)"
-            if "lookup" in outs else ""))
-    overall = {k: sum(v[k] for v in cats.values()) for k in ("tokens", "seconds")}
-    overall["tok_s"] = overall["tokens"] / overall["seconds"] if overall["seconds"] else 0.0
-    if lookup_tokens:
-        overall.update({k: sum(v[k] for v in cats.values()) for k in ("tokens_lookup", "seconds_lookup",
-                                                                     "identical_lookup")})
-        overall["tok_s_lookup"] = overall["tokens_lookup"] / overall["seconds_lookup"] if overall["seconds_lookup"] else 0.0
-        overall["speedup_lookup"] = overall["tok_s_lookup"] / overall["tok_s"] if overall["tok_s"] else 0.0
-    return {"max_tokens": max_tokens, "lookup_tokens": lookup_tokens, "lookup_ngram": lookup_ngram,
-            "categories": cats, "overall": overall}
-
-
-# ----------------------------------------------------------------------------- reports
-
-
-def _x(a, b) -> str:
-    return f"{a / b:.2f}x" if b else "-"
-
-
-def markdown(summary: dict) -> str:
-    s, hf = summary["settings"], summary.get("hf")
-    k = s["num_steps"]
-    head = ["category", "prompts", "τ (tokens/step)", "τ to EOS", f"acc@1..{k}", "plain tok/s", "spec tok/s",
-            "speed-up", "identical"]
-    gated = s.get("min_accept") is not None
-    if gated:
-        head += ["lite / fused steps"]
-    dv = s.get("draft_vocab_size")
-    if dv:
-        head += [f"in draft vocab ({dv})"]
-    lookup = bool(hf) and "tok_s_lookup" in hf["overall"]
-    if hf:
-        head += ["HF tok/s"] + (["HF lookup tok/s", "HF lookup speed-up"] if lookup else []) + ["plain / HF"]
-        head += ["spec / HF lookup"] if lookup else ["spec / HF"]
-    rows = [(c, v) for c, v in summary["categories"].items()] + [("**overall**", summary["overall"])]
-    ngram = (f", n-gram {s['ngram_max']}..{s['ngram_min']}" if s["method"] == "ngram" else
-             f", n-gram branch of {s['ngram_branch']}" if s.get("ngram_branch") else "")
-    lines = [f"Speculative decoding with `{s['draft']}` ({s['method']}{ngram}, {s['num_steps']} steps, topk "
-             f"{s['topk']}, {s['num_draft_tokens']} draft tokens) on `{s['model']}` ({s['dtype']}), greedy, batch "
-             f"{s['max_batch']}, {s['max_tokens']} new tokens per prompt (EOS ignored: equal work), {s['device']}"
-             + (f"; acceptance gate: lite steps below τ {s['min_accept']:g} (specjax.adaptive)." if gated else "."),
-             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for c, v in rows:
-        acc = "/".join(f"{a:.2f}" for a in v.get("acc", []))
-        cells = [c, str(v["prompts"]), f"{v['tau']:.2f}", f"{v.get('tau_to_eos', float('nan')):.2f}", acc,
-                 f"{v['tok_s_plain']:.1f}", f"{v['tok_s_spec']:.1f}", f"{v['speedup']:.2f}x",
-                 f"{v['identical']}/{v['prompts']}"]
-        if gated:
-            cells += [f"{v.get('lite_steps', 0)} / {v.get('fused_steps', 0)}"]
-        if dv:
-            cells += [f"{v['in_draft_vocab'] / v['tokens_plain']:.1%}" if v["tokens_plain"] else "-"]
-        if hf:
-            h = hf["overall"] if c == "**overall**" else hf["categories"].get(c, {})
-            hs, hl = h.get("tok_s", 0.0), h.get("tok_s_lookup", 0.0)
-            cells += [f"{hs:.1f}"] + ([f"{hl:.1f}", _x(hl, hs)] if lookup else []) + [_x(v["tok_s_plain"], hs)]
-            cells += [_x(v["tok_s_spec"], hl)] if lookup else [_x(v["tok_s_spec"], hs)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(summary: dict, png: str | Path) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cats = summary["categories"]
-    names = list(cats)
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
-    data = [cats[c]["tau_per_prompt"] or [float("nan")] for c in names]
-    ax_t.boxplot(data, showmeans=True)
-    ax_t.set_xticks(range(1, len(names) + 1), names, rotation=20)
-    ax_t.set(ylabel="mean acceptance length τ per prompt", title="acceptance length (tokens / step)")
-    labels = names + ["overall"]
-    sp = [cats[c]["speedup"] for c in names] + [summary["overall"]["speedup"]]
-    bars = ax_s.bar(labels, sp, color=["tab:blue"] * len(names) + ["tab:orange"])
-    ax_s.bar_label(bars, fmt="%.2fx", fontsize=8)
-    ax_s.axhline(1.0, color="gray", lw=1, ls="--")
-    ax_s.set(ylabel="speculative / plain tokens per second", title="speed-up")
-    ax_s.tick_params(axis="x", rotation=20)
-    for ax in (ax_t, ax_s):
-        ax.grid(alpha=0.3, axis="y")
-    s = summary["settings"]
-    fig.suptitle(f"{Path(s['draft']).name}: {s['method']}, {s['num_steps']} steps, topk {s['topk']}, "
-                 f"batch {s['max_batch']}, {s['dtype']}, {s['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return Path(png)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from specjax.cli import DRAFT_TOPK_CHOICES, HelpFormatter, min_accept_arg
     from specjax.machine import ATTENTION_CHOICES, DTYPE_CHOICES
@@ -554,14 +396,14 @@ def cmd_eval(a) -> int:
                        log=log)
     ids = summary.pop("prompt_ids")
     if a.hf_baseline:
-        hf = summary["hf"] = hf_baseline(_gguf(a), ids, a.max_tokens, a.hf_device, a.hf_lookup_tokens,
+        hf = summary["hf"] = eval_hf.hf_baseline(_gguf(a), ids, a.max_tokens, a.hf_device, a.hf_lookup_tokens,
                                          a.hf_lookup_ngram, log)
         o = summary["overall"]
         o["speedup_vs_hf"] = o["tok_s_spec"] / max(hf["overall"]["tok_s"], 1e-9)
         o["plain_vs_hf"] = o["tok_s_plain"] / max(hf["overall"]["tok_s"], 1e-9)
         if "tok_s_lookup" in hf["overall"]:
             o["speedup_vs_hf_lookup"] = o["tok_s_spec"] / max(hf["overall"]["tok_s_lookup"], 1e-9)
-    table = markdown(summary)
+    table = eval_report.markdown(summary)
     print(table)
     if a.markdown:
         Path(a.markdown).write_text(table)
@@ -569,7 +411,7 @@ def cmd_eval(a) -> int:
         Path(a.json).write_text(json.dumps(summary, indent=2) + "\n")
     if a.png:
         try:
-            plot(summary, a.png)
+            eval_report.plot(summary, a.png)
         except ImportError:
             print("specjax eval: matplotlib is not installed: no PNG", file=sys.stderr)
     return 0

@@ -14,7 +14,7 @@ features at p) can instead be brought up to date when it is needed again:
       grammar): prefill pieces that do not end the prompt (decode.PrefillRows, final False) over
       x_Ld .. x_{L-1} from start Ld with next_ids x_L: the target's forward over them gives the
       features (its K/V entries Ld .. L-1 are written again), the draft is extended to Ld = L and
-      no tree is grown (step.spec_prefill_rows); the stale tree is verified once as after lite steps.
+      no tree is grown (step_prefill.spec_prefill_rows); the stale tree is verified once as after lite steps.
 
 Sampling stays exact: lazy steps draw from plain decoding's stream (fold_in(key(seed), position)),
 independent of the draft's own stream the stale nodes were drawn from (specjax.step's argument for
@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 from specjax import decode
 from specjax.drafter import DraftInfo
-from specjax.step import SpecOut, SpecState, widen_lite
+from specjax.step import SpecOut, SpecState
+from specjax.step_lite import widen_lite
 from specjax.tree import SpecConfig
 
 

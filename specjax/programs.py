@@ -10,10 +10,10 @@ host needs for grammar masks of the following step.
 The speculative step exists fused (`step`: verify + accept + compact + draft, one program; up to K
 of them per dispatch in one device loop, each row's stop ids and length limit (`StopRows`) checked on
 the device after every step so that a finished row stops changing state, the loop ending once every
-row has finished; with the static flag `lite`, K lite steps instead: step.spec_lite_step, a plain step
+row has finished; with the static flag `lite`, K lite steps instead: step_lite.spec_lite_step, a plain step
 that keeps the draft in sync, same call shape and output layout; K > 1 of them run the target's side
-only, step.spec_lite_target, and extend the draft over their K tokens once at the end,
-step.lite_draft_sync: one draft forward per dispatch instead of one per step; with `lazy` too, plain
+only, step_lite.spec_lite_target, and extend the draft over their K tokens once at the end,
+step_lite.lite_draft_sync: one draft forward per dispatch instead of one per step; with `lazy` too, plain
 decoding's steps that leave an EAGLE head's draft behind: specjax.lazy_draft) and split
 (`verify` | `finish`) so that a grammar batch can compute its tree masks on the host while the target
 forward runs. `verify` donates the state and hands it back with the tree's K/V written (no copy of the
@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import attention as attn_lib, decode, lazy_draft, spec_tiers, step as step_lib
+from specjax import attention as attn_lib, decode, lazy_draft, spec_tiers, step as step_lib, step_lite, step_prefill
 from specjax import device_dfa as dfa_lib
 from specjax.kernels import Kernels
 from specjax.sampling import SamplingArrays
@@ -81,9 +81,9 @@ def _binder(params):
 
 def _admit_slots(state, tokens, lens, slots, pen):
     """The per-slot state of admissions over their whole sequences tokens [B, T] (lens [B]) that
-    prefill pieces do not carry: the penalty state, the n-gram history (step.admit_slots)."""
+    prefill pieces do not carry: the penalty state, the n-gram history (step_prefill.admit_slots)."""
     if isinstance(state, step_lib.SpecState):
-        return step_lib.admit_slots(state, tokens, lens, slots, pen)
+        return step_prefill.admit_slots(state, tokens, lens, slots, pen)
     return dataclasses.replace(state, penalties=decode.prefill_penalties(state.penalties, tokens, lens, slots, pen))
 
 
@@ -194,7 +194,7 @@ class SpecPrograms(NamedTuple):
     step: Callable  # fused, K steps: (tw, dw, state, samp_all, slots, active, mask, stop: StopRows, drafts=None,
     #                 succ: Successors | None = None, *, num_steps, lite=False, lazy=False, ...)
     #                 -> (SpecOut with [K, B] fields, trees, state); with succ, out.slot [K, B] the slots run;
-    #                 a mask or grammar drafts need K == 1; lite: K lite steps (step.spec_lite_step), no mask;
+    #                 a mask or grammar drafts need K == 1; lite: K lite steps (step_lite.spec_lite_step), no mask;
     #                 lazy (with lite): K plain steps, the draft left behind (specjax.lazy_draft);
     #                 max_splits: attention splits at most (attention.split_cap: rows known to be short)
     verify: Callable  # (tw, state, slots, active) -> (logits, h, aux), state
@@ -235,7 +235,7 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         return fn(info, spec, target_graphdef, tunflat(tw), draft_graphdef, dunflat(dw), *args, **kw)
 
     def prefill(tw, dw, state, samp_all, rows, samp, mask, drafts=None, *, want_logprobs, stochastic, dfa=False):
-        out, state = bound(step_lib.spec_prefill_rows, tw, dw, state, rows, samp, want_logprobs=want_logprobs,
+        out, state = bound(step_prefill.spec_prefill_rows, tw, dw, state, rows, samp, want_logprobs=want_logprobs,
                            stochastic=stochastic, token_mask=mask, grammar_drafts=drafts, dfa=dfa, kernels=kernels)
         if state.done is not None:  # the slots' new requests have not finished
             state = dataclasses.replace(state, done=state.done.at[rows.slots].set(False, mode="drop"))
@@ -290,7 +290,7 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
 
         def one(state, act):  # one fused (or lite) step; rows finished by it are inactive for the next ones
             if lite:
-                out, state = bound(step_lib.spec_lite_step, tw, dw, state, slots, act, samp,
+                out, state = bound(step_lite.spec_lite_step, tw, dw, state, slots, act, samp,
                                    want_logprobs=want_logprobs, stochastic=stochastic, kernels=kernels, dfa=dfa)
             else:
                 out, state = bound(step_lib.spec_step, tw, dw, state, slots, act, samp, want_logprobs=want_logprobs,
@@ -320,7 +320,7 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
             def lite_body(carry, _):  # each output stacked here is a kernel per step: the fewest, packed
                 state, act = carry
                 act = live(state, act)
-                out, state, (h, aux) = bound(step_lib.spec_lite_target, tw, dw, state, slots, act, samp,
+                out, state, (h, aux) = bound(step_lite.spec_lite_target, tw, dw, state, slots, act, samp,
                                              want_logprobs=want_logprobs, stochastic=stochastic, kernels=kernels,
                                              dfa=dfa)
                 packed = None if aux is None else jnp.concatenate(aux, axis=-1)  # [B, 1, len(aux) * E]
@@ -331,8 +331,8 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
             # a lite step emits one token in each active row (>= 0) and -1 elsewhere: its count, rebuilt
             outs = dataclasses.replace(outs, num_accepted=(outs.tokens[..., 0] >= 0).astype(jnp.int32))
             aux = None if packed is None else tuple(jnp.split(packed, len(info.aux_layers), axis=-1))
-            state = bound(step_lib.lite_draft_sync, tw, dw, state, slots, active, (outs, (h, aux)))
-            return step_lib.widen_lite(outs, spec.num_steps + 1), _trees(state, slots), state
+            state = bound(step_lite.lite_draft_sync, tw, dw, state, slots, active, (outs, (h, aux)))
+            return step_lite.widen_lite(outs, spec.num_steps + 1), _trees(state, slots), state
 
         def body(carry, _):
             state, act = carry
@@ -370,3 +370,29 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
 def num_compiled(programs) -> int:
     """Compiled executables held by a program tuple (for recompilation checks)."""
     return sum(fn._cache_size() for fn in programs if hasattr(fn, "_cache_size"))
+
+
+class SpecSteps(NamedTuple):
+    prefill: Callable  # (tw, dw, state, tokens [B, T], lens [B], slots [B], samp, *, want_logprobs, stochastic,
+    #                     penalty_params, ...) -> (decode.StepOut, state)
+    step: Callable  # (tw, dw, state, slots, active, samp, *, want_logprobs, stochastic, ...) -> (SpecOut, state)
+
+
+def compile_spec_steps(info, spec, target_graphdef, target_params, draft_graphdef, draft_params,
+                       kernels: Kernels = Kernels()):
+    """The bare step functions as programs, for tests of the step itself: whole-prompt prefill
+    (step_prefill.spec_prefill) and one fused step (step.spec_step) over rows given by the caller, with
+    their sampling arrays as arguments (no per-slot sampling state, no stop rows: what spec_programs
+    adds for the engine). -> (SpecSteps, target weights, draft weights); the state (argument 2) is
+    donated."""
+    tw0, tunflat = _binder(target_params)
+    dw0, dunflat = _binder(draft_params)
+
+    def bound(fn):
+        def run(tw, dw, *args, **kw):
+            return fn(info, spec, target_graphdef, tunflat(tw), draft_graphdef, dunflat(dw), *args, kernels=kernels,
+                      **kw)
+        return run
+
+    jit = functools.partial(jax.jit, donate_argnums=(2,), static_argnames=("want_logprobs", "stochastic"))
+    return SpecSteps(prefill=jit(bound(step_prefill.spec_prefill)), step=jit(bound(step_lib.spec_step))), tw0, dw0

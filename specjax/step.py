@@ -8,31 +8,9 @@
     -> draft extend over the accepted tokens (EAGLE: with the target's features for them)
     -> grow the next draft tree (EAGLE-2 style; topk = 1 is a chain), stored in the state.
 
-The lite step (spec_lite_step, a draft-synced plain step: what the engine runs instead of the fused
-step for batches where verifying trees costs more than it gains; specjax.engine):
-    target forward over the stored tree's root only (T = 1, the forward of plain decoding)
-    -> accept the one-node tree: greedy the argmax; sampling the bonus drawn from p with the bonus
-       key of root position L, as a fused step draws it when every child of the root is rejected
-       (penalties applied as in accept)
-    -> lengths L + 1, penalty counts
-    -> draft extend over the emitted token (EAGLE: with the target's features at the root), i.e.
-       draft_next with n = 1, so the draft's KV stays in sync
-    -> no tree growth: the stored tree keeps nodes 1 .. N - 1, its root becomes the emitted token.
-Those stale nodes were fixed before the lite step drew anything, so the next fused step verifies
-them losslessly (they continue an older prefix and are rarely accepted; that step grows a fresh
-tree): point masses (trees, n-gram; draft_probs None) by the point-mass rule, and a sampled chain
-node t_i keeps its proposal draft_probs[i]: it was drawn from it with the draft's own random stream
-(keyed by positions that no verification has revealed: the lite steps draw from the verification
-stream), so given everything emitted since, t_i is still a draw from draft_probs[i] (given its
-parent), which is all the min(1, p/q) rule needs. The n-gram drafter appends the token to the
-history. Grammar batches never run lite steps. A lite step touches lite_lookahead(info) entries past L.
+The lite step (a draft-synced plain step over the stored tree's root only): specjax.step_lite.
 
-Prefill seeds the target cache, the draft and the first tree. It runs on pieces (decode.PrefillRows):
-a piece at cache index a with n new tokens writes target entries a .. a+n-1 and draft entries
-a .. a+n-1 (+1 for a final piece of a shift-0 draft: its entry for the sampled token); the token
-after the piece is the next prompt token, or the sampled one for the final piece. The draft entries
-before a are in the cache already (a shared prefix: specjax.prefix_cache keys pages by the s tokens
-after them too; an earlier chunk). Only final pieces grow the first tree.
+Prefill (the target cache, the draft and the first tree seeded from prompt pieces): specjax.step_prefill.
 
 Per slot (see specjax.drafter for the draft methods and their shift s):
   target: cache.seq_lens = L; tokens x_0 .. x_{L-1} have K/V; the tree's root (node 0) is x_L,
@@ -84,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -92,17 +69,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.kv_compact import kv_compact
-from specjax import decode, draft_tree, drafter, ngram, sampling, tree as tree_lib, verify
+from specjax import draft_tree, drafter, ngram, sampling, tree as tree_lib, verify
 from specjax import device_dfa as dfa_lib
 from specjax import penalties as pen_lib
 from specjax.drafter import DraftInfo
 from specjax.kernels import Kernels
 from specjax.kv_cache import KVCache, meta_at
-from specjax.penalties import PenaltyParams, PenaltyState
+from specjax.penalties import PenaltyState
 from specjax.sampling import SamplingArrays
 from specjax.token_mask import apply_token_mask
 from specjax.tree import SpecConfig
-
 
 
 @jax.tree_util.register_dataclass
@@ -165,23 +141,17 @@ def lookahead(spec: SpecConfig, info: DraftInfo) -> int:
     return max(spec.num_nodes, draft)
 
 
-def lite_lookahead(info: DraftInfo, num_steps: int = 1) -> int:
-    """Cache entries past L that num_steps lite steps may touch: the target writes L .. L + K - 1,
-    the draft extend draft indices up to L + K - shift (no draft KV for the n-gram drafter)."""
-    return num_steps + (1 - info.shift if info.has_model else 0)
-
-
 # ----------------------------------------------------------------------------- draft side
 
 
-def _draft_rows(info, pen: PenaltyState | None, slots):
+def draft_penalty_rows(info, pen: PenaltyState | None, slots):
     """Penalty rows for drafting (None: the draft does not share the target's vocabulary)."""
     if pen is None or info.method == "eagle3":
         return None
     return pen_lib.rows(pen, slots)
 
 
-def _draft_dfa(info, state: SpecState, rs, root_states):
+def draft_dfa_view(info, state: SpecState, rs, root_states):
     """(DFAView, the next roots' states [B]) for drafting under the rows' DFAs (None: no DFA in the
     dispatch). An EAGLE-3 head drafts in its own vocabulary: draft_tree.grow masks its logits through
     draft_tree.draft_vocab_view."""
@@ -198,11 +168,11 @@ def merge_draft(dgd, dp):
     return None if dgd is None else nnx.merge(dgd, dp)
 
 
-def _merge(tgd, tp, dgd, dp):
+def merge_models(tgd, tp, dgd, dp):
     return nnx.merge(tgd, tp), merge_draft(dgd, dp)
 
 
-def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, penalties=None, history=None,
+def store_slots(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, penalties=None, history=None,
            dfa=None):
     """Write the per-slot results of rows `upd` (out-of-range rows dropped); penalties / history / dfa:
     the new penalty state / token history / DFA tables (None: keep the state's)."""
@@ -217,99 +187,6 @@ def _store(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, 
                      penalties=state.penalties if penalties is None else penalties,
                      history=state.history if history is None else history,
                      dfa=state.dfa if dfa is None else dfa, done=state.done)
-
-
-def spec_prefill_rows(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState,
-                      rows: decode.PrefillRows, samp: SamplingArrays, want_logprobs=False, stochastic=True,
-                      token_mask=None, grammar_drafts=None, dfa=False, kernels: Kernels = Kernels()):
-    """Prefill pieces into the target and the draft; final rows sample the first token and grow the
-    first tree. The penalty state (and DFA tables) of the admitted slots must already be written;
-    dfa (static): the rows' device DFAs mask the first token and advance. token_mask: optional
-    [B, W] grammar bitmask of the first token. grammar_drafts: optional [B, 1, S + 1] int32, the
-    grammar's continuation after each prompt (specjax.grammar_drafts), drafted into the first tree.
-    Returns (decode.StepOut, state)."""
-    target, draft = _merge(tgd, tp, dgd, dp)
-    T = rows.tokens.shape[1]
-    max_slots = state.cache.seq_lens.shape[0]
-    pen = state.penalties
-    v = decode.prefill_dfa(state, rows, dfa)
-    out, h, aux, cache = decode.target_prefill(target, state.cache, rows, samp, want_logprobs, stochastic,
-                                               info.aux_layers, pen=pen, token_mask=token_mask, dfa_view=v)
-    fin = decode.final_slots(rows, max_slots)
-    final = (fin < max_slots).astype(jnp.int32)
-    # rows that end at a tree's root: final rows (root = the sampled token) and regrown ones (root =
-    # next_ids, the slot's last token, already counted by penalties, DFAs and the history)
-    ends = final if rows.regrow is None else jnp.maximum(final, (rows.regrow & (rows.lens > 0)).astype(jnp.int32))
-    grown = jnp.where(ends > 0, rows.slots, max_slots)
-    root = out.tokens if rows.regrow is None else jnp.where(final > 0, out.tokens, rows.next_ids)
-    pen = decode.count_first(pen, fin, rows.lens, out.tokens)
-    tables = decode.prefill_dfa_advance(state.dfa, v, fin, rows, out.tokens)
-    if not info.has_model:  # n-gram: the history holds the sequence (written at admission); add x_P
-        end = rows.start + rows.lens  # P, the position of the first sampled token
-        hist = ngram.append(state.history, fin, end - 1, out.tokens[:, None], final)
-        tree = ngram.propose(hist[jnp.clip(rows.slots, 0, max_slots - 1)], end + 1, out.tokens, spec)
-        return out, _store(state, fin, tree, None, state.draft_kv, state.draft_seq_lens, cache, pen, hist, tables)
-    pt = cache.page_table[jnp.clip(rows.slots, 0, max_slots - 1)]
-    ps = cache.page_size
-    act = (rows.lens > 0).astype(jnp.int32)
-    # draft entry p holds token x_{p + shift}; x_{start + lens} is the sampled token (final rows) or
-    # the next prompt token
-    sh = info.shift
-    after = jnp.where(final > 0, out.tokens, rows.next_ids)
-    col = jnp.arange(T + 1, dtype=jnp.int32)[None, :]
-    end = (rows.lens - sh)[:, None]  # [B, 1] index of the entry holding x_{start + lens}
-    src = jnp.take_along_axis(rows.tokens, jnp.clip(col + sh, 0, T - 1), axis=1)
-    dtoks = jnp.where(col < end, src, jnp.where(col == end, after[:, None], 0))  # [B, T + 1]
-    feats = drafter.target_features(info, draft, h, aux)
-    if feats is not None:
-        feats = jnp.pad(feats, ((0, 0), (0, 1), (0, 0)))  # [B, T + 1, E]
-    n_d = (rows.lens + (1 - sh) * ends) * act  # draft entries this piece writes
-    h_last, lg_last, dkv = draft_tree.extend(info, draft, target, state.draft_kv, pt, ps, dtoks, feats, rows.start,
-                                             n_d)
-    Ld = rows.start + n_d
-    forced = None
-    if grammar_drafts is not None:
-        forced = draft_tree.grammar_levels(grammar_drafts, jnp.zeros_like(out.tokens), out.tokens, spec.num_steps)
-    roots = None if v is None else tables.state[jnp.clip(rows.slots, 0, max_slots - 1)]  # after the root
-    tree, probs, dkv = draft_tree.grow(info, spec, draft, target, dkv, pt, ps, act * ends, root,
-                                       rows.start + rows.lens, Ld, h_last, lg_last, samp,
-                                       (stochastic if state.draft_probs is not None else False),
-                                       _draft_rows(info, pen, rows.slots), forced,
-                                       _draft_dfa(info, state, jnp.clip(rows.slots, 0, max_slots - 1), roots),
-                                       kernels.draft_topk)
-    draft_seq_lens = state.draft_seq_lens.at[rows.slots].set(Ld, mode="drop")
-    hist = None
-    if state.history is not None:  # the history holds the sequence (written at admission); add x_P
-        end = rows.start + rows.lens  # (kept by every tier when one has a branch: specjax.spec_tiers)
-        hist = ngram.append(state.history, fin, end - 1, out.tokens[:, None], final)
-        if spec.ngram_branch:
-            tree = ngram.add_branch(hist[jnp.clip(rows.slots, 0, max_slots - 1)], end + 1, tree, spec)
-    return out, _store(state, grown, tree, probs, dkv, draft_seq_lens, cache, pen, hist, dfa=tables)
-
-
-def spec_prefill(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, tokens, lens, slots,
-                 samp: SamplingArrays, want_logprobs=False, stochastic=True,
-                 penalty_params: PenaltyParams | None = None, token_mask=None, grammar_drafts=None,
-                 kernels: Kernels = Kernels()):
-    """Prefill ragged prompts (tokens [B, T], lens [B], slots [B]) into the target, sample the first
-    token, seed the draft over the prompt and grow the first tree. penalty_params: the rows'
-    penalties (needs state.penalties; None: off for these slots). token_mask: optional [B, W] grammar
-    bitmask of the first token; grammar_drafts: optional [B, 1, S + 1] (spec_prefill_rows).
-    Returns (decode.StepOut, state)."""
-    state = admit_slots(state, tokens, lens, slots, penalty_params)
-    return spec_prefill_rows(info, spec, tgd, tp, dgd, dp, state, decode.whole_prompts(tokens, lens, slots), samp,
-                             want_logprobs, stochastic, token_mask, grammar_drafts, kernels=kernels)
-
-
-def admit_slots(state: SpecState, tokens, lens, slots, penalty_params: PenaltyParams | None = None) -> SpecState:
-    """The per-slot state of admissions that prefill pieces do not carry (a piece may hold part of the
-    sequence only): the penalty state (decode.prefill_penalties) and the n-gram history, over the
-    whole sequences tokens [B, T] (lens [B]) of the rows `slots` [B]."""
-    state = dataclasses.replace(state, penalties=decode.prefill_penalties(state.penalties, tokens, lens, slots,
-                                                                          penalty_params))
-    if state.history is None:
-        return state
-    return dataclasses.replace(state, history=ngram.write_prompt(state.history, slots, tokens, lens, jnp.zeros_like(lens)))
 
 
 @jax.tree_util.register_dataclass
@@ -340,17 +217,7 @@ class TreeShape(NamedTuple):
     is_chain: bool  # the accepted path is in place (no compaction)
 
 
-ROOT_ONLY = TreeShape(num_nodes=1, num_steps=0, is_chain=True)  # the lite step's tree: the root alone
-
-
-def root_view(state: SpecState) -> SpecState:
-    """The state seen by a step over the stored trees' roots only (ROOT_ONLY): node 0 of each tree,
-    no draft proposals."""
-    return dataclasses.replace(state, tree_tokens=state.tree_tokens[:, :1], tree_parents=state.tree_parents[:, :1],
-                               tree_depth=state.tree_depth[:, :1], draft_probs=None)
-
-
-def _rows(state: SpecState, slots, active):
+def live_rows(state: SpecState, slots, active):
     max_slots = state.cache.seq_lens.shape[0]
     rs = jnp.minimum(slots, max_slots - 1)  # read slots (padding rows clamp)
     return rs, active & (slots < max_slots)
@@ -361,7 +228,7 @@ def verify_forward(info: DraftInfo, spec: SpecConfig | TreeShape, target, state:
     """Target forward over the stored tree of rows `slots`: node i at position L + depth[i],
     written to cache index L + i, attending to the prefix and its ancestors. spec: the SpecConfig,
     or ROOT_ONLY with root_view(state) (the root alone: plain decoding's forward)."""
-    rs, active = _rows(state, slots, active)
+    rs, active = live_rows(state, slots, active)
     N = spec.num_nodes
     L = state.cache.seq_lens[rs]  # [B]
     tree = tree_lib.make_tree(state.tree_tokens[rs], state.tree_parents[rs], state.tree_depth[rs], spec.num_steps)
@@ -381,7 +248,7 @@ def accept(spec: SpecConfig | TreeShape, state: SpecState, ver: Verified, slots,
     With state.penalties, the logits after each node are penalised first (counts + the node's path).
     dfa (static): the rows' device DFAs mask the logits after each node by the node's state (its
     path's: device_dfa.tree_states); Accepted.dfa_state is the accepted node's state after the bonus."""
-    rs, active = _rows(state, slots, active)
+    rs, active = live_rows(state, slots, active)
     S = spec.num_steps
     act = active.astype(jnp.int32)
     L = state.cache.seq_lens[rs]
@@ -421,10 +288,10 @@ def accept(spec: SpecConfig | TreeShape, state: SpecState, ver: Verified, slots,
     return Accepted(out=out, accept_idx=acc, bonus=bonus, cache=cache, dfa_state=dfa_state)
 
 
-def _commit_target(state: SpecState, acc: Accepted, slots, active) -> SpecState:
+def commit_target(state: SpecState, acc: Accepted, slots, active) -> SpecState:
     """The target's side of _commit: lengths L + n, penalty counts, DFA states and the n-gram history
     of the n emitted tokens (the draft's lengths and KV untouched)."""
-    rs, active = _rows(state, slots, active)
+    rs, active = live_rows(state, slots, active)
     max_slots = state.cache.seq_lens.shape[0]
     L = state.cache.seq_lens[rs]
     n = acc.out.num_accepted  # [B]; 0 for inactive rows
@@ -452,11 +319,11 @@ def _accepted_outputs(info: DraftInfo, ver: Verified, acc: Accepted):
     return take(ver.h), tuple(take(a) for a in ver.aux)
 
 
-def _extend_draft(info: DraftInfo, target, draft, state: SpecState, slots, active, tokens, h, aux, n):
+def extend_draft(info: DraftInfo, target, draft, state: SpecState, slots, active, tokens, h, aux, n):
     """The draft's side of _commit: the draft extend over the n [B] entries tokens [B, T] (with the
     target's outputs h / aux [B, T, E] there) from each row's draft length Ld, and Ld + n.
     Returns (state, h_last [B, E], logits_last [B, Vd])."""
-    rs, active = _rows(state, slots, active)
+    rs, active = live_rows(state, slots, active)
     Ld = state.draft_seq_lens[rs]
     feats = drafter.target_features(info, draft, h, aux) if info.uses_features else None
     h_last, lg_last, dkv = draft_tree.extend(info, draft, target, state.draft_kv, state.cache.page_table[rs],
@@ -472,11 +339,11 @@ def _commit(info: DraftInfo, target, draft, state: SpecState, ver: Verified, acc
     entries (EAGLE: with the target's features at the accepted nodes), or for the n-gram drafter the
     tokens appended to the history. Returns (state, h_last [B, E], logits_last [B, Vd]) (None, None
     for the n-gram drafter): the draft's output after the last accepted entry."""
-    state = _commit_target(state, acc, slots, active)
+    state = commit_target(state, acc, slots, active)
     if not info.has_model:
         return state, None, None
     h, aux = _accepted_outputs(info, ver, acc)
-    return _extend_draft(info, target, draft, state, slots, active, acc.out.tokens, h, aux, acc.out.num_accepted)
+    return extend_draft(info, target, draft, state, slots, active, acc.out.tokens, h, aux, acc.out.num_accepted)
 
 
 def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecState, ver: Verified, acc: Accepted,
@@ -485,14 +352,14 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
     the next tree -> the new state. grammar_drafts: optional [B, N, S + 1] int32, the grammar's
     continuation after each node of the verified tree (specjax.grammar_drafts), drafted into the
     next tree where it starts with the bonus token (not used by the n-gram drafter)."""
-    rs, active = _rows(state, slots, active)
+    rs, active = live_rows(state, slots, active)
     upd = jnp.where(active, slots, state.cache.seq_lens.shape[0])
     n = acc.out.num_accepted
     L2 = state.cache.seq_lens[rs] + n
     new, h_last, lg_last = _commit(info, target, draft, state, ver, acc, slots, active)
     if not info.has_model:  # the next tree looked up in the history
         nxt = ngram.propose(new.history[rs], L2 + 1, acc.bonus, spec)
-        return _store(new, upd, nxt, None, new.draft_kv, new.draft_seq_lens, new.cache)
+        return store_slots(new, upd, nxt, None, new.draft_kv, new.draft_seq_lens, new.cache)
     forced = None
     if grammar_drafts is not None:
         last = jnp.take_along_axis(acc.accept_idx, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]  # [B] node n*
@@ -501,11 +368,11 @@ def draft_next(info: DraftInfo, spec: SpecConfig, target, draft, state: SpecStat
     nxt, probs, dkv = draft_tree.grow(info, spec, draft, target, new.draft_kv, pt, ps, active.astype(jnp.int32),
                                       acc.bonus, L2, state.draft_seq_lens[rs] + n, h_last, lg_last, samp,
                                       (stochastic if state.draft_probs is not None else False),  # UNFILTERED kept
-                                      _draft_rows(info, new.penalties, rs), forced,
-                                      _draft_dfa(info, state, rs, acc.dfa_state), kernels.draft_topk)
+                                      draft_penalty_rows(info, new.penalties, rs), forced,
+                                      draft_dfa_view(info, state, rs, acc.dfa_state), kernels.draft_topk)
     if spec.ngram_branch:
         nxt = ngram.add_branch(new.history[rs], L2 + 1, nxt, spec)
-    return _store(new, upd, nxt, probs, dkv, new.draft_seq_lens, new.cache)
+    return store_slots(new, upd, nxt, probs, dkv, new.draft_seq_lens, new.cache)
 
 
 def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
@@ -516,7 +383,7 @@ def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecSt
     kernels: static kernel choices (specjax.kernels; default: the jnp references).
     token_mask [B, N, W] / grammar_drafts [B, N, S + 1]: grammar masks of the stored tree and the
     grammar's continuations after its nodes (draft_next). dfa (static): device DFAs (accept)."""
-    target, draft = _merge(tgd, tp, dgd, dp)
+    target, draft = merge_models(tgd, tp, dgd, dp)
     with jax.named_scope("verify"):
         ver = verify_forward(info, spec, target, state, slots, active)
     with jax.named_scope("accept"):
@@ -525,107 +392,3 @@ def spec_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecSt
         new_state = draft_next(info, spec, target, draft, state, ver, acc, slots, active, samp, stochastic,
                                grammar_drafts, kernels)
     return acc.out, new_state
-
-
-def _widen(out: SpecOut, width: int) -> SpecOut:
-    """A one-token SpecOut in the fused step's layout: tokens / logprobs [B, width] (-1 / 0 padded),
-    accept_hist [width + 1]."""
-    def pad(x, value):
-        return None if x is None else jnp.pad(x, ((0, 0), (0, width - x.shape[1])) + ((0, 0),) * (x.ndim - 2),
-                                                constant_values=value)
-    return SpecOut(tokens=pad(out.tokens, -1), num_accepted=out.num_accepted,
-                   accept_hist=jnp.pad(out.accept_hist, (0, width + 1 - out.accept_hist.shape[0])),
-                   logprob=pad(out.logprob, 0.0), top_logprobs=pad(out.top_logprobs, 0.0), top_ids=pad(out.top_ids, 0))
-
-
-def spec_lite_step(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
-                   samp: SamplingArrays, want_logprobs=False, stochastic=True, kernels: Kernels = Kernels(),
-                   dfa: bool = False):
-    """A draft-synced plain step (the "lite" step; see the module doc) for rows `slots` [B] with
-    `active` [B] bool -> (SpecOut in spec_step's layout, num_accepted 1 for active rows; state):
-    the target forward over each stored tree's root, the next token drawn as the fused step draws
-    its bonus when the root's children are all rejected, lengths, penalty counts and the draft
-    extend over that token (draft_next with n = 1), no new tree: the stored tree keeps its nodes
-    1 .. N - 1 (and their draft_probs), its root becomes the emitted token.
-    The caller must have pages for lite_lookahead(info) entries past L of every active slot."""
-    out, new, root = spec_lite_target(info, spec, tgd, tp, dgd, dp, state, slots, active, samp, want_logprobs,
-                                      stochastic, kernels, dfa)
-    steps = jax.tree.map(lambda x: x[None], (out, root))  # K = 1
-    new = lite_draft_sync(info, spec, tgd, tp, dgd, dp, new, slots, active, steps)
-    return _widen(out, spec.num_steps + 1), new
-
-
-def spec_lite_target(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
-                     samp: SamplingArrays, want_logprobs=False, stochastic=True, kernels: Kernels = Kernels(),
-                     dfa: bool = False):
-    """spec_lite_step without its draft extend -> (SpecOut, state, root): the SpecOut of the root alone
-    (tokens [B, 1]; widen_lite or _widen give the fused layout), root = the target's outputs at the root
-    that the extend consumes: (h, None) for an EAGLE head, (None, aux) for EAGLE-3 ([B, 1, E] each),
-    (None, None) without features. K of these, then one lite_draft_sync over their K tokens, leave
-    the state K lite steps leave (the draft is not read in between: a lite step verifies the root
-    alone), with one draft forward instead of K. Only what the draft reads is returned: each output
-    of a step in a dispatch's loop is one more kernel per step."""
-    target, _ = _merge(tgd, tp, dgd, dp)
-    view = root_view(state)
-    with jax.named_scope("verify"):
-        ver = verify_forward(info, ROOT_ONLY, target, view, slots, active)
-    with jax.named_scope("accept"):
-        acc = accept(ROOT_ONLY, view, ver, slots, active, samp, want_logprobs, stochastic, kernels=kernels, dfa=dfa)
-    new = _commit_target(state, acc, slots, active)
-    _, active = _rows(state, slots, active)
-    upd = jnp.where(active, slots, state.cache.seq_lens.shape[0])
-    new = dataclasses.replace(new, tree_tokens=new.tree_tokens.at[upd, 0].set(acc.bonus, mode="drop"))
-    root = (ver.h if info.method == "eagle" else None, tuple(ver.aux) if info.method == "eagle3" else None)
-    return acc.out, new, root  # one node: the root is the accepted node (no gather)
-
-
-def widen_lite(outs: SpecOut, width: int) -> SpecOut:
-    """K lite steps' SpecOut ([K, B, 1] tokens, num_accepted [K, B]; accept_hist None: rebuilt here,
-    out of the dispatch's loop) -> the fused layout: tokens [K, B, width], accept_hist [K, width + 1]."""
-    hist = jax.vmap(lambda n: jnp.zeros((width + 1,), jnp.int32).at[n].add((n > 0).astype(jnp.int32)))(
-        outs.num_accepted)
-    return jax.vmap(lambda o, h: _widen(dataclasses.replace(o, accept_hist=h), width))(outs, hist)
-
-
-def lite_draft_sync(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: SpecState, slots, active,
-                    steps) -> SpecState:
-    """The draft extend of K lite steps at once: steps = (SpecOut, root) of spec_lite_target stacked
-    over K ([K, B, ...]); a row's emitted tokens are those of its first n steps (n = its summed
-    num_accepted: a row that finished stays inactive), written from its draft length on."""
-    if not info.has_model:  # the n-gram drafter: the history was appended by each step
-        return state
-    target, draft = _merge(tgd, tp, dgd, dp)
-    out, (h, aux) = steps
-
-    def by_row(x):  # [K, B, 1, ...] (one node per step) -> [B, K, ...]
-        return None if x is None else jnp.swapaxes(x[:, :, 0], 0, 1)
-    with jax.named_scope("draft_extend"):
-        new, _, _ = _extend_draft(info, target, draft, state, slots, active, by_row(out.tokens), by_row(h),
-                                  None if aux is None else tuple(by_row(a) for a in aux), out.num_accepted.sum(0))
-    return new
-
-
-class SpecSteps(NamedTuple):
-    prefill: Callable  # (target_w, draft_w, state, tokens, lens, slots, samp, *, want_logprobs, stochastic,
-    #                     penalty_params)
-    step: Callable  # (target_w, draft_w, state, slots, active, samp, *, want_logprobs, stochastic)
-
-
-def compile_spec_steps(info: DraftInfo, spec: SpecConfig, target_graphdef, target_params, draft_graphdef,
-                       draft_params, kernels: Kernels = Kernels()):
-    """-> (SpecSteps, target_weights, draft_weights): weights are flat lists of arrays, graph
-    definitions and the static configs (kernels included) are closed over; the state (argument 2)
-    is donated."""
-    t_leaves, t_def = jax.tree.flatten(target_params)
-    d_leaves, d_def = jax.tree.flatten(draft_params)
-
-    def bind(fn):
-        def run(tw, dw, *args, **kw):
-            return fn(info, spec, target_graphdef, jax.tree.unflatten(t_def, tw),
-                      draft_graphdef, jax.tree.unflatten(d_def, dw), *args, **kw)
-        return run
-
-    jit = functools.partial(jax.jit, donate_argnums=(2,), static_argnames=("want_logprobs", "stochastic"))
-    step_fn = bind(functools.partial(spec_step, kernels=kernels))
-    return SpecSteps(prefill=jit(bind(functools.partial(spec_prefill, kernels=kernels))), step=jit(step_fn)), \
-        t_leaves, d_leaves

@@ -1,5 +1,5 @@
 """Adaptive speculation (BatchOptions.speculate_below, specjax.dispatch_plan): a speculative engine
-runs lite steps (step.spec_lite_step: plain decoding that keeps the draft in sync) for batches of
+runs lite steps (step_lite.spec_lite_step: plain decoding that keeps the draft in sync) for batches of
 >= speculate_below rows and fused steps below. Requests arriving and finishing over time move the
 batch across the threshold both ways: greedy float32 outputs (and logprobs) equal plain decoding token for token
 (EAGLE-3 tree, the target as its own chain draft (a chain keeps sampled-draft proposals), the n-gram
@@ -429,7 +429,7 @@ def test_lazy_then_fused_sampling_law(small):
 @pytest.mark.parametrize("kind", ["eagle3 tree", "self chain"])
 def test_lite_dispatch_extends_the_draft_once(world, kind):
     """K lite steps in one dispatch (the target's side K times, then one draft extend over the K
-    tokens: step.lite_draft_sync) leave the state that K one-step lite dispatches leave: the same
+    tokens: step_lite.lite_draft_sync) leave the state that K one-step lite dispatches leave: the same
     tokens, lengths, trees and draft lengths, the draft's KV equal up to float32 rounding; a row that
     finishes inside the dispatch (its length limit after 2 steps) is extended over its 2 tokens only,
     and a padding row changes nothing."""

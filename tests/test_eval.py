@@ -12,7 +12,7 @@ import logging
 import pytest
 
 from specjax import cli
-from specjax import eval as spec_eval
+from specjax import eval as spec_eval, eval_hf, eval_report
 
 
 def test_shipped_prompt_sets():
@@ -53,15 +53,15 @@ def _summary(hf=False, lookup=False):
 
 
 def test_markdown_and_plot(tmp_path):
-    md = spec_eval.markdown(_summary())
+    md = eval_report.markdown(_summary())
     assert "| mt_bench | 2 | 2.50 | 2.00 | 0.75/0.50/0.25/0.12 | 100.0 | 180.0 | 1.80x | 2/2 |" in md
     assert "| **overall** | 4 | 2.75 |" in md and "HF" not in md and "EOS ignored: equal work" in md
-    md = spec_eval.markdown(_summary(hf=True))
+    md = eval_report.markdown(_summary(hf=True))
     assert "| gsm8k | 2 | 3.00 | 2.50 | 0.75/0.50/0.25/0.12 | 100.0 | 210.0 | 2.10x | 2/2 | 50.0 | 2.00x | 4.20x |" in md
-    md = spec_eval.markdown(_summary(hf=True, lookup=True))
+    md = eval_report.markdown(_summary(hf=True, lookup=True))
     assert "HF lookup speed-up" in md and "spec / HF lookup" in md
     assert "| 2/2 | 50.0 | 75.0 | 1.50x | 2.00x | 2.80x |" in md
-    png = spec_eval.plot(_summary(), tmp_path / "e.png")
+    png = eval_report.plot(_summary(), tmp_path / "e.png")
     assert png.stat().st_size > 1000
 
 
@@ -142,11 +142,11 @@ def test_hf_peer_plain_and_prompt_lookup():
         model.lm_head.bias = None
         model.lm_head.weight[5] += 0.5 * model.lm_head.weight.norm(dim=1).max()  # EOS favoured
     ids = {"a": [[3, 4, 6, 3, 4, 6, 3, 4], [9, 10, 11]], "b": [[12, 13, 12, 13, 12]]}
-    res = spec_eval.hf_timings(model, ids, max_tokens=12, lookup_tokens=4, lookup_ngram=2, log=lambda m: None)
+    res = eval_hf.hf_timings(model, ids, max_tokens=12, lookup_tokens=4, lookup_ngram=2, log=lambda m: None)
     assert res["categories"]["a"]["tokens"] == res["categories"]["a"]["tokens_lookup"] == 24
     assert res["overall"]["tokens"] == 36 and res["overall"]["identical_lookup"] == 3
     assert res["overall"]["tok_s"] > 0 and res["overall"]["speedup_lookup"] > 0
-    only = spec_eval.hf_timings(model, {"b": ids["b"]}, max_tokens=4, lookup_tokens=0, log=lambda m: None)
+    only = eval_hf.hf_timings(model, {"b": ids["b"]}, max_tokens=4, lookup_tokens=0, log=lambda m: None)
     assert "tok_s_lookup" not in only["overall"] and only["overall"]["tokens"] == 4
 
 

@@ -210,7 +210,8 @@ def _grammar_samples(small, spec, temperature, rows):
     trees took a grammar draft at node 1 (checked against the host's drafts)."""
     from specjax.kv_cache import init_cache
     from specjax.sampling import SamplingArrays
-    from specjax.step import compile_spec_steps, init_spec_state
+    from specjax.programs import compile_spec_steps
+    from specjax.step import init_spec_state
     cfg, target, draft, compiler = small
     key = SamplingParams(regex=S_REGEX).constraint
     S = spec.num_steps

@@ -17,7 +17,8 @@ from specjax.drafter import DraftInfo
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
 from specjax.request import Request
 from specjax.sampling_params import SamplingParams
-from specjax.step import compile_spec_steps, init_spec_state
+from specjax.programs import compile_spec_steps
+from specjax.step import init_spec_state
 from specjax.tree import SpecConfig
 
 PROMPT_LENS = (7, 1, 13, 20)  # slots 0..3 (slot 3 stays inactive in the steps)

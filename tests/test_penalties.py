@@ -29,7 +29,8 @@ from specjax.drafter import DraftInfo
 from specjax.kv_cache import init_cache, meta_at
 from specjax.sampling import SamplingArrays
 from specjax.sampling_params import SamplingParams, SamplingParamsError
-from specjax.step import compile_spec_steps, init_spec_state
+from specjax.programs import compile_spec_steps
+from specjax.step import init_spec_state
 from specjax.tree import SpecConfig, chain_tree, make_tree
 
 MAX_SEQ = 96

@@ -18,7 +18,8 @@ from helpers import tiny_config, tiny_model
 from specjax.drafter import DraftInfo
 from specjax.kv_cache import init_cache, meta_at
 from specjax.sampling import SamplingArrays
-from specjax.step import compile_spec_steps, init_spec_state
+from specjax.programs import compile_spec_steps
+from specjax.step import init_spec_state
 from specjax.tree import SpecConfig
 
 V = 6

@@ -16,7 +16,8 @@ from helpers import tiny_config, tiny_model
 from specjax import decode
 from specjax.drafter import DraftInfo
 from specjax.kv_cache import init_cache
-from specjax.step import compile_spec_steps, init_spec_state
+from specjax.programs import compile_spec_steps
+from specjax.step import init_spec_state
 from specjax.tree import SpecConfig
 
 MAX_SEQ = 96
