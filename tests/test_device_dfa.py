@@ -588,3 +588,21 @@ def test_eagle3_head_under_the_dfa(world, topk, steps, m, temperature):
     if temperature == 0.0:
         plain = run(engine(world, "plain", SchedulerOptions()), prompts[:4], cons, max_tokens=30)
         assert outputs(got) == outputs(plain)
+
+
+def test_handover_with_constrained_rows(world):
+    """Row hand-over (specjax.engine_handover) in a batch of DFA, host-grammar and unconstrained rows:
+    constrained requests are never successors (DFA rows still run multi-step dispatches with them);
+    greedy outputs equal the engine's without hand-over, nothing leaks."""
+    cfg, target, _, _, compiler, prompts, _ = world
+    prompts = prompts + prompts[:4]
+    constraints = MIXED + [{}] * 4
+    want = outputs(run(engine(world, "tree", SchedulerOptions()), prompts, constraints))
+    d = engine(world, "tree", SchedulerOptions()).draft
+    eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=2),
+                 jnp.float32, draft=d, grammar=compiler, sched=SchedulerOptions(handover=True))
+    got = run(eng, prompts, constraints)
+    assert outputs(got) == want
+    check_regex_outputs(got, constraints)
+    assert eng.handed_over > 0
+    assert not eng.sched.queue and eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1

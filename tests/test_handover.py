@@ -146,3 +146,19 @@ def test_tight_cache_preempts_parked_requests(setup):
                  jnp.float32, draft=d, sched=SchedulerOptions(handover=True))
     assert _run(eng, prompts) == want
     assert eng.num_preempted > 0
+
+
+def test_context_end_hands_over(setup):
+    """Requests whose prompts nearly fill the context end at MAX_SEQ inside a dispatch (finish_reason
+    "length" before max_tokens) and hand over there: greedy tokens equal plain's, nothing leaks."""
+    cfg, target, _, _, prompts = setup
+    long = [p + [(7 * i + 3 * j) % 96 for j in range(MAX_SEQ - len(p) - 24 + 2 * i)] for i, p in enumerate(prompts)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = _run(_engine(setup, None), long, params)
+    eng = _engine(setup, "other")
+    reqs = _requests(long, params)
+    eng.run(reqs)
+    _assert_clean(eng)
+    assert [r.output().token_ids for r in reqs] == want
+    assert all(r.output().finish_reason == "length" and len(r.output().token_ids) < 40 for r in reqs)
+    assert eng.handed_over > 0
