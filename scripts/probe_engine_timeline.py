@@ -1,6 +1,7 @@
 """Where the engine's wall time goes between a batch-1 request's tokens, GPU machine (runs anywhere).
 
     python3 scripts/probe_engine_timeline.py --model DIR [--draft DIR] [--prompts 8] [--max-tokens 128] [--show 40]
+                                             [--handover] [--trace]
 
 Runs `LLM.generate` (one slot unless --max-batch, greedy, EOS ignored) twice over the same prompts and
 records, for every `Engine.step()` of the second call: when it started, how long it took, its host phases
@@ -152,6 +153,8 @@ def main(argv=None):
     p.add_argument("--max-batch", type=int, default=1, help="engine slots (the prompts run max-batch at a time)")
     p.add_argument("--show", type=int, default=40, help="steps printed as a table")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--handover", action="store_true", help="SchedulerOptions(handover=True) (row hand-over: "
+                   "specjax.engine_handover)")
     p.add_argument("--trace", action="store_true", help="also trace the timed call (jax.profiler) and report the "
                    "device's idle gaps between kernels, summed by the programs on either side")
     p.add_argument("--repeat", type=int, default=1, help="timed calls (the table and totals: the last one; "
@@ -165,10 +168,11 @@ def main(argv=None):
 
     from specjax.llm import LLM
     from specjax.sampling_params import SamplingParams
+    from specjax.scheduler import SchedulerOptions
 
     draft = a.draft or str(Path(__file__).resolve().parents[1] / "specjax/assets/eagle3-smollm2-135m")
     llm = LLM(model=a.model, draft=None if draft == "none" else draft, dtype=a.dtype,
-              max_batch=a.max_batch)
+              max_batch=a.max_batch, scheduler=SchedulerOptions(handover=a.handover))
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [f"Write a short note number {i} about the weather, the sea and the mountains." for i in range(a.prompts)]
     tl = Timeline(llm.engine)

@@ -60,7 +60,8 @@ ENTRY %main.2 (x: f32[4]) -> f32[4] {
 
 def test_engine_timeline_probe_records_every_step_of_the_timed_call(tmp_path):
     """scripts/probe_engine_timeline.py on a tiny model: one row per Engine.step() of the second generate call,
-    whose prefills and finished requests add up to the prompts, and totals that split the steps' time."""
+    whose prefills and finished requests add up to the prompts, and totals that split the steps' time; with
+    --handover the same tokens."""
     from tiny_dir import make_tiny_model_dir
 
     mod = load_script("probe_engine_timeline")
@@ -73,6 +74,9 @@ def test_engine_timeline_probe_records_every_step_of_the_timed_call(tmp_path):
     assert 0 < allr["step_s"] <= res["wall_s"] and allr["read_wait_s"] + allr["dispatch_s"] <= allr["step_s"]
     assert abs(allr["step_s"] + allr["between_steps_s"] - res["wall_s"]) < 1e-3
     assert len(res["repeat_wall_s"]) == 1 and res["repeat_wall_s"][0] >= res["wall_s"] and len(res["tokens_sha1"]) == 12
+    hand = mod.main(["--model", str(d), "--draft", "ngram", "--prompts", "3", "--max-tokens", "12",
+                     "--dtype", "float32", "--show", "0", "--handover"])  # row hand-over: the same greedy tokens
+    assert hand["tokens_sha1"] == res["tokens_sha1"] and hand["finished"] == 3
 
 
 def test_engine_timeline_device_gaps_merge_overlaps_and_sum_gaps_by_programs():
