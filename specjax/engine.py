@@ -68,7 +68,7 @@ from specjax.engine_options import BatchOptions, CacheOptions, Draft, StepUpdate
 from specjax.engine_grammar import GrammarSteps
 from specjax.engine_handover import HandOver
 from specjax.engine_prefill import PrefillSteps
-from specjax.engine_results import ResultSteps
+from specjax.engine_results import ResultSteps, _Dispatched
 from specjax.engine_setup import SetupChoices
 from specjax.grammar_masks import MaskBuilder
 from specjax.host_timing import HostTimes
@@ -81,19 +81,6 @@ from specjax.shape_reuse import ShapeReuse
 __all__ = ["BatchOptions", "CacheOptions", "Draft", "Engine", "SchedulerOptions", "StepUpdate"]
 
 log = logging.getLogger("specjax")
-
-
-@dataclasses.dataclass
-class _Dispatched:
-    """A dispatched program whose outputs are on their way to the host."""
-    kind: str  # "prefill" | "decode" | "spec" | "lite" | "lazy"
-    out: object
-    trees: tuple | None  # speculative: the rows' next trees (tokens, parents [B, N])
-    rows: list[tuple[int, int, Request, int]]  # (row, slot, request, its epoch at dispatch)
-    advance: int  # positions per row counted in the scheduler's `inflight`
-    sure: int = 0  # tokens per row counted in the scheduler's `sure` (each step gives >= 1 or finishes)
-    after_lite: bool = False  # a fused dispatch right after lite ones (its first step verifies a stale tree)
-    succ_slots: frozenset = frozenset()  # rows' successors (row hand-over): no sure steps; out.slot says which ran
 
 
 class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, AdmitAhead, CatchUpSteps, HandOver,
@@ -449,38 +436,12 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         return bool(pieces)
 
     # -- host helpers -----------------------------------------------------------------------
-    def _report(self, req: Request, tokens=()) -> None:
-        upd = self._updates.get(id(req))
-        if upd is None:
-            self._updates[id(req)] = StepUpdate(req, list(tokens))
-        else:
-            upd.token_ids.extend(tokens)
-
     def _push_page_table(self):
         if self.alloc.dirty:  # a copy (the device may alias host memory), placed like the table it replaces
             table = jax.device_put(self.alloc.table.copy(), self.state.cache.page_table.sharding)
             cache = dataclasses.replace(self.state.cache, page_table=table)
             self.state = dataclasses.replace(self.state, cache=cache)
             self.alloc.dirty = False
-
-    def _push(self, kind, out, trees, rows, advance, steps, succ=()) -> _Dispatched:
-        """rows: (batch row, slot, request) of the rows whose outputs the host reads; advance: cache
-        entries a row may gain; steps: steps run (each gives an unfinished row >= 1 token); succ: (batch
-        row, slot, request) of the rows' successors (row hand-over: they may gain `advance`, no sure steps)."""
-        for x in jax.tree.leaves((out, trees)):
-            x.copy_to_host_async()
-        entry = _Dispatched(kind, out, trees, [(b, s, r, r.epoch) for b, s, r in (*rows, *succ)], advance, steps,
-                            succ_slots=frozenset(s for _, s, _ in succ))
-        for _, s, _ in succ:
-            self.sched.inflight[s] += advance
-        if kind != "prefill":
-            self.dispatches[kind] += 1
-            self.dispatched_steps[kind] += steps
-        for _, s, _ in rows:
-            self.sched.inflight[s] += advance
-            self.sched.sure[s] += steps
-        self._pending.append(entry)
-        return entry
 
     # -- dispatch ---------------------------------------------------------------------------
     def _dispatch(self, rows, grammar: bool = False, succ: list | None = None) -> _Dispatched:

@@ -58,7 +58,7 @@ from specjax.request import Request
 from specjax.token_mask import RowMasks
 
 if TYPE_CHECKING:
-    from specjax.engine import _Dispatched
+    from specjax.engine_results import _Dispatched
 
 __all__ = ["GrammarSteps"]
 

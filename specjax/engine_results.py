@@ -1,18 +1,20 @@
-"""The engine's results (specjax.engine, step 4): dispatched outputs read on the host one step
-behind, and delivered to their requests; the host mirror of the device lengths follows. A row's
-outputs computed after its request finished, was cancelled or preempted are dropped; token ids outside
-the vocabulary (a device fault) fail their request alone. Part of Engine (a mixin over its fields: sched,
-host, gate, cfg, kernels, _pending, _report, _fail_running)."""
+"""The engine's results (specjax.engine, step 4): each dispatch is recorded with its rows (_push: their
+host copies started, the scheduler's `inflight` / `sure` counts raised), its outputs read on the host one
+step behind and delivered to their requests (_report: the step's updates); the host mirror of the device
+lengths follows. A row's outputs computed after its request finished, was cancelled or preempted are
+dropped; token ids outside the vocabulary (a device fault) fail their request alone. Part of Engine (a
+mixin over its fields: sched, host, gate, cfg, kernels, _pending, _updates, _fail_running)."""
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+import dataclasses
 
+import jax
 import numpy as np
 
-if TYPE_CHECKING:
-    from specjax.engine import _Dispatched
+from specjax.engine_options import StepUpdate
+from specjax.request import Request
 
 log = logging.getLogger("specjax")
 
@@ -23,8 +25,47 @@ def _as_rows(kind: str, x) -> np.ndarray:
     return x[:, None] if kind == "prefill" else np.swapaxes(x, 0, 1)
 
 
+@dataclasses.dataclass
+class _Dispatched:
+    """A dispatched program whose outputs are on their way to the host."""
+    kind: str  # "prefill" | "decode" | "spec" | "lite" | "lazy"
+    out: object
+    trees: tuple | None  # speculative: the rows' next trees (tokens, parents [B, N])
+    rows: list[tuple[int, int, Request, int]]  # (row, slot, request, its epoch at dispatch)
+    advance: int  # positions per row counted in the scheduler's `inflight`
+    sure: int = 0  # tokens per row counted in the scheduler's `sure` (each step gives >= 1 or finishes)
+    after_lite: bool = False  # a fused dispatch right after lite ones (its first step verifies a stale tree)
+    succ_slots: frozenset = frozenset()  # rows' successors (row hand-over): no sure steps; out.slot says which ran
+
+
 class ResultSteps:
     """Engine's reading and delivery of dispatched outputs (module doc)."""
+
+    def _push(self, kind, out, trees, rows, advance, steps, succ=()) -> _Dispatched:
+        """rows: (batch row, slot, request) of the rows whose outputs the host reads; advance: cache
+        entries a row may gain; steps: steps run (each gives an unfinished row >= 1 token); succ: (batch
+        row, slot, request) of the rows' successors (row hand-over: they may gain `advance`, no sure steps)."""
+        for x in jax.tree.leaves((out, trees)):
+            x.copy_to_host_async()
+        entry = _Dispatched(kind, out, trees, [(b, s, r, r.epoch) for b, s, r in (*rows, *succ)], advance, steps,
+                            succ_slots=frozenset(s for _, s, _ in succ))
+        for _, s, _ in succ:
+            self.sched.inflight[s] += advance
+        if kind != "prefill":
+            self.dispatches[kind] += 1
+            self.dispatched_steps[kind] += steps
+        for _, s, _ in rows:
+            self.sched.inflight[s] += advance
+            self.sched.sure[s] += steps
+        self._pending.append(entry)
+        return entry
+
+    def _report(self, req: Request, tokens=()) -> None:
+        upd = self._updates.get(id(req))
+        if upd is None:
+            self._updates[id(req)] = StepUpdate(req, list(tokens))
+        else:
+            upd.token_ids.extend(tokens)
 
     def _collect(self, keep: _Dispatched | None = None) -> None:
         """Deliver every dispatched output older than `keep` (all of them when None)."""
