@@ -112,6 +112,31 @@ def test_cancel_parked_request(setup):
             assert r.output().token_ids == want[i]
 
 
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_cancel_running_row(setup, max_batch):
+    """A decoding row's request cancelled while dispatches naming its successor are in flight: its slot and
+    pages are freed at once, the successor still runs (inside those dispatches or as a row), the others'
+    tokens are plain greedy's, nothing leaks."""
+    prompts = setup[4]
+    want = _run(_engine(setup, None, max_batch=max_batch), prompts)
+    eng = _engine(setup, "other", max_batch=max_batch)
+    reqs = _requests(prompts, GREEDY)
+    for r in reqs:
+        eng.add_request(r)
+    victims = []
+    while eng.has_unfinished():
+        eng.step()
+        rows = [r for _, r in eng.sched.decoding() if r.token_ids and not r.finished]
+        if len(victims) < 2 and eng.sched.parked() and rows and eng._pending:
+            victims.append(rows[0])
+            assert eng.cancel(rows[0].id)
+    assert len(victims) == 2 and all(v.output().finish_reason == "cancelled" for v in victims)
+    _assert_clean(eng)
+    for i, r in enumerate(reqs):
+        if r not in victims:
+            assert r.output().token_ids == want[i]
+
+
 def test_second_run_compiles_nothing(setup):
     prompts = setup[4]
     eng = _engine(setup, "other")
