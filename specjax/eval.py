@@ -133,14 +133,16 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
              max_batch: int = 1,
              max_tokens: int = MAX_TOKENS, dtype: str = "auto", max_seq_len: int = 2048,
              chat: bool | None = None, warmup_tokens: int = 8, min_accept="auto", draft_topk: str = "auto",
-             attention: str = "auto", repeats: int = 1, handover: bool = False, log=print) -> dict:
+             attention: str = "auto", repeats: int = 1, handover: bool = False,
+             spec_steps_per_call: int | None = None, log=print) -> dict:
     """Plain vs speculative greedy decoding per category, the same tokens per prompt (EOS ignored)
     -> summary dict (see module doc). draft: a draft directory, "self" or "ngram"; min_accept: the
     speculative LLM's acceptance gate (LLM(min_accept=...), specjax.adaptive); draft_topk: its draft
     tree's top-k (LLM(draft_topk=...)); attention: both LLMs' paged attention (LLM(attention=...)).
     repeats: timed runs of each set per engine, alternating plain and speculative; seconds, tokens and
     step counts add up over them, τ and the outputs are the last run's (greedy: the same tokens).
-    handover: the speculative engine's row hand-over (SchedulerOptions.handover, specjax.engine_handover)."""
+    handover: the speculative engine's row hand-over (SchedulerOptions.handover, specjax.engine_handover).
+    spec_steps_per_call: its fused steps per dispatch (LLM(spec_steps_per_call=...); None: the default)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     import dataclasses
@@ -164,7 +166,8 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     from specjax.scheduler import SchedulerOptions
     spec = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len, draft=draft, spec=spec_cfg,
                min_accept=min_accept, draft_topk=draft_topk, attention=attention,
-               scheduler=SchedulerOptions(handover=handover))
+               scheduler=SchedulerOptions(handover=handover),
+               **({} if spec_steps_per_call is None else {"spec_steps_per_call": spec_steps_per_call}))
     spec_cfg = spec.spec
     num_steps, topk = spec_cfg.num_steps, spec_cfg.topk
     vocab = draft_vocab_ids(draft, method, plain.cfg)
@@ -268,6 +271,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
                 "num_steps": num_steps, "topk": topk, "num_draft_tokens": spec_cfg.num_draft_tokens,
                 "max_batch": max_batch, "max_tokens": max_tokens, "ignore_eos": True, "dtype": plain.dtype, "chat": chat,
                 "repeats": repeats, "handover": handover,
+                "spec_steps_per_call": spec.engine.batch_opts.spec_steps_per_call,
                 "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "min_accept": gate,
                 "draft_vocab_size": None if vocab is None else len(vocab),
                 "attention_plain": plain.engine.attention_choice["attention"],
@@ -278,7 +282,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specjax.cli import DRAFT_TOPK_CHOICES, HelpFormatter, min_accept_arg
+    from specjax.cli import DRAFT_TOPK_CHOICES, HelpFormatter, min_accept_arg, positive_int
     from specjax.machine import ATTENTION_CHOICES, DTYPE_CHOICES
     p.formatter_class = HelpFormatter  # --help shows the defaults (also for scripts/eval_acceptance.py)
     p.add_argument("--model", default=None, help="converted model dir (default: SmolLM2-135M-Instruct)")
@@ -327,6 +331,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handover", action="store_true",
                    help="the speculative engine hands a fused dispatch's row over to the next request, prefilled "
                         "ahead into a spare slot, once its request ends (SchedulerOptions.handover)")
+    p.add_argument("--spec-steps-per-call", type=positive_int, default=None, metavar="K",
+                   help="fused speculative steps per dispatch of the speculative engine (default: the engine's, "
+                        "as `specjax generate --spec-steps-per-call`)")
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("--json", help="write the summary as JSON")
     p.add_argument("--markdown", help="write the table as markdown")
@@ -393,7 +400,7 @@ def cmd_eval(a) -> int:
                        max_seq_len=a.max_seq_len,
                        chat=False if a.raw else None, warmup_tokens=a.warmup_tokens, min_accept=a.min_accept,
                        draft_topk=a.draft_topk, attention=a.attention, repeats=a.repeats, handover=a.handover,
-                       log=log)
+                       spec_steps_per_call=a.spec_steps_per_call, log=log)
     ids = summary.pop("prompt_ids")
     if a.hf_baseline:
         hf = summary["hf"] = eval_hf.hf_baseline(_gguf(a), ids, a.max_tokens, a.hf_device, a.hf_lookup_tokens,
