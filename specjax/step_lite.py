@@ -16,6 +16,7 @@ node t_i keeps its proposal draft_probs[i]: it was drawn from it with the draft'
 stream), so given everything emitted since, t_i is still a draw from draft_probs[i] (given its
 parent), which is all the min(1, p/q) rule needs. The n-gram drafter appends the token to the
 history. Grammar batches never run lite steps. A lite step touches lite_lookahead(info) entries past L.
+
 The fused step and the state: specjax.step."""
 from __future__ import annotations
 
@@ -36,9 +37,6 @@ def lite_lookahead(info: DraftInfo, num_steps: int = 1) -> int:
     """Cache entries past L that num_steps lite steps may touch: the target writes L .. L + K - 1,
     the draft extend draft indices up to L + K - shift (no draft KV for the n-gram drafter)."""
     return num_steps + (1 - info.shift if info.has_model else 0)
-
-
-# ----------------------------------------------------------------------------- draft side
 
 
 ROOT_ONLY = TreeShape(num_nodes=1, num_steps=0, is_chain=True)  # the lite step's tree: the root alone

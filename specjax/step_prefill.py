@@ -4,6 +4,7 @@ a .. a+n-1 (+1 for a final piece of a shift-0 draft: its entry for the sampled t
 after the piece is the next prompt token, or the sampled one for the final piece. The draft entries
 before a are in the cache already (a shared prefix: specjax.prefix_cache keys pages by the s tokens
 after them too; an earlier chunk). Only final pieces grow the first tree.
+
 admit_slots writes what the pieces do not carry (a piece may hold part of the sequence only): the
 penalty state and the n-gram history. The cache layout per slot and the fused step: specjax.step."""
 from __future__ import annotations
