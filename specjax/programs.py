@@ -1,5 +1,5 @@
-"""The engine's jitted programs: the steps of specjax.decode / specjax.step bound to one model
-(graph definitions closed over, weights passed as flat lists), reading each row's sampling
+"""The engine's jitted programs: the steps of specjax.decode / specjax.step (step_prefill, step_lite) bound
+to one model (graph definitions closed over, weights passed as flat lists), reading each row's sampling
 parameters from per-slot device arrays and taking an optional grammar bitmask.
 
 Per-slot sampling parameters (`SamplingArrays` of [max_slots]) are written by the prefill program
@@ -41,6 +41,9 @@ passes a cap where every row of the dispatch is short, where fewer splits are fa
 Prefill programs take pieces (decode.PrefillRows: a cached prefix or earlier chunks before each
 row's start). What an admission needs over its whole sequence (penalty state, n-gram history) is
 written apart (`admit_slots`), since a piece may hold part of it only.
+
+`compile_spec_steps` binds the bare step functions the same way (whole-prompt prefill, one fused step,
+sampling arrays passed per call), for the tests of the step itself.
 """
 from __future__ import annotations
 
