@@ -467,6 +467,8 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
                                spec=None if self.draft is None else self.spec)
         if p.kind != "spec" or grammar or (p.num_steps > 1 and not self.sched.ensure_extra(
                 [x for x, _ in followers], (p.num_steps - 1) * (self.spec.num_steps + 1))):
+            if followers:  # the program's flags are the rows' own: no successor runs in it
+                flags = self._flags([r for _, r in rows])
             succ, followers = None, []  # no hand-over in this dispatch (pages for the successors' K steps)
         flags = self._split_flags(p, rows, flags, rows_b(p.kind), grammar, also=followers)
         if p.wanted is not None:  # the adapted K's program is compiled off the engine thread meanwhile

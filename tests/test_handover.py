@@ -187,3 +187,27 @@ def test_context_end_hands_over(setup):
     assert [r.output().token_ids for r in reqs] == want
     assert all(r.output().finish_reason == "length" and len(r.output().token_ids) < 40 for r in reqs)
     assert eng.handed_over > 0
+
+
+def test_dispatch_without_handover_takes_its_rows_flags(setup):
+    """A dispatch that runs no successor (lite steps: rows >= speculate_below) is compiled for its rows'
+    flags alone: a parked request that wants logprobs does not make its rows' programs compute them."""
+    cfg, target = setup[:2]
+    eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ),
+                 BatchOptions(max_batch=2, speculate_below=2), jnp.float32, draft=make_draft(setup, "other"),
+                 sched=SchedulerOptions(handover=True))
+    calls, decode_call = [], eng._decode_call
+
+    def watched(kind, K, rows, slots, active, mask, drafts, flags, succ=None):
+        calls.append((kind, flags, [r for _, r in rows]))
+        return decode_call(kind, K, rows, slots, active, mask, drafts, flags, succ)
+
+    eng._decode_call = watched
+    params = [GREEDY if i < 4 else SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1)
+              for i in range(6)]
+    want = _run(_engine(setup, None, max_batch=2), setup[4], params)
+    assert _run(eng, setup[4], params) == want
+    lite = [(flags, reqs) for kind, flags, reqs in calls if kind == "lite"]
+    assert lite and any(r.logprobs is not None for _, reqs in lite for r in reqs)
+    for flags, reqs in lite:
+        assert flags["want_logprobs"] == any(r.logprobs is not None for r in reqs)
