@@ -200,6 +200,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         self.held_back = 0  # steps that read the dispatches in flight instead of dispatching (_hold_back)
         self.admitted_ahead = self.admit_ahead_misses = self.admitted_early = 0
         self.handed_over = 0  # rows that ran their successor inside a fused dispatch (engine_handover)
+        self.handover_no_pages = 0  # dispatches that ran without their successors: no pages for their steps
         self._released_early: list[Request] = []  # released after a dispatch, not yet read (engine_ahead)
         self.dispatched_steps = dict.fromkeys(("decode", "spec", "lite", "lazy"), 0)  # the steps they ran
         self.info = self._describe(dtype, num_pages, kernel_note)
@@ -280,6 +281,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             "admit_ahead_misses": self.admit_ahead_misses,  # of those, rows that had not finished (re-admitted)
             "admitted_early": self.admitted_early,  # of those, released right after their last dispatch
             "handed_over": self.handed_over,  # rows that ran the next request inside a dispatch (row hand-over)
+            "handover_no_pages": self.handover_no_pages,  # dispatches without their successors for lack of pages
             "steps_per_call_cap": self.steps_cap.caps(self.batch_opts)[0 if self.draft is None else 1],
             **self.gate.stats(),  # lite dispatches chosen by the acceptance gate, its probes (specjax.adaptive)
             **self._dfa_counts(),  # constrained requests by path: device DFA / host grammar, DFA fallbacks
@@ -465,10 +467,12 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated,
                                caps=self.steps_cap.chain(b), ready=ready,
                                spec=None if self.draft is None else self.spec)
-        if p.kind != "spec" or grammar or (p.num_steps > 1 and not self.sched.ensure_extra(
-                [x for x, _ in followers], (p.num_steps - 1) * (self.spec.num_steps + 1))):
+        no_pages = p.kind == "spec" and not grammar and followers and p.num_steps > 1 and not self.sched.ensure_extra(
+            [x for x, _ in followers], (p.num_steps - 1) * (self.spec.num_steps + 1))
+        if p.kind != "spec" or grammar or no_pages:
             if followers:  # the program's flags are the rows' own: no successor runs in it
                 flags = self._flags([r for _, r in rows])
+                self.handover_no_pages += bool(no_pages)
             succ, followers = None, []  # no hand-over in this dispatch (pages for the successors' K steps)
         flags = self._split_flags(p, rows, flags, rows_b(p.kind), grammar, also=followers)
         if p.wanted is not None:  # the adapted K's program is compiled off the engine thread meanwhile

@@ -72,7 +72,7 @@ def _run(llm, prompts, params):
 # the speculative engine's counters reported for each timed repeat (Engine.stats(); `spec_runs` of a set)
 RUN_STATS = ("spec_dispatch_steps", "prefill_tokens", "prefix_cache_hits", "prefix_cache_hit_tokens",
              "prefix_cache_evictions", "catch_ups", "catch_up_tokens", "num_preempted", "admitted_ahead",
-             "admitted_early", "admit_ahead_misses", "held_back_steps", "handed_over", "host_read_s", "host_dispatch_s", "host_step_s")
+             "admitted_early", "admit_ahead_misses", "held_back_steps", "handed_over", "handover_no_pages", "host_read_s", "host_dispatch_s", "host_step_s")
 
 
 def _ids(llm, texts, chat: bool) -> list[list[int]]:
@@ -123,7 +123,8 @@ def stalls(cat: dict) -> str:
     return f" (new programs while timed: plain {n[0]}, spec {n[1]})" if any(n) else ""
 
 
-BOUNDARY_STATS = ("admitted_ahead", "admitted_early", "admit_ahead_misses", "held_back_steps", "handed_over")  # Engine.stats() keys
+BOUNDARY_STATS = ("admitted_ahead", "admitted_early", "admit_ahead_misses", "held_back_steps", "handed_over",
+                  "handover_no_pages")  # Engine.stats() keys
 
 
 def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: int | None = None,

@@ -173,6 +173,17 @@ def test_tight_cache_preempts_parked_requests(setup):
     assert eng.num_preempted > 0
 
 
+def test_successors_without_pages_wait(setup):
+    """With pages for the rows and their parked successors but not for the successors' steps inside a
+    dispatch, dispatches run without hand-over (counted); tokens equal plain greedy, nothing leaks."""
+    cfg, target, _, _, prompts = setup
+    want = _run(_engine(setup, None), prompts)
+    eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, num_pages=20), BatchOptions(max_batch=1),
+                 jnp.float32, draft=_engine(setup, "other").draft, sched=SchedulerOptions(handover=True))
+    assert _run(eng, prompts) == want
+    assert eng.stats()["handover_no_pages"] > 0
+
+
 def test_context_end_hands_over(setup):
     """Requests whose prompts nearly fill the context end at MAX_SEQ inside a dispatch (finish_reason
     "length" before max_tokens) and hand over there: greedy tokens equal plain's, nothing leaks."""
