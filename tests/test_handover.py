@@ -89,6 +89,36 @@ def test_sampling_equals_without_handover(setup):
     assert eng.handed_over > 0
 
 
+def test_penalties_logprobs_and_ngram_branch(setup):
+    """Successors carry their own per-slot state into the dispatch: penalty counts (admitted with the
+    parked request's prefill), the n-gram history of a tree with an n-gram branch, logprobs. Greedy
+    tokens equal plain decoding's with the same penalties, logprobs match plain's."""
+    cfg, target, other_cfg, other, prompts = setup
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2 if i % 2 else None,
+                             repetition_penalty=(1.0, 1.3, 1.0, 0.8, 1.0, 1.1)[i],
+                             frequency_penalty=(0.0, 0.0, 0.5, 0.0, 0.0, 0.3)[i],
+                             presence_penalty=(0.0, 0.0, 0.0, 0.4, 0.0, 0.0)[i])
+              for i, n in enumerate((20, 7, 20, 12, 5, 20))]
+    plain = _engine(setup, None)
+    want_reqs = _requests(prompts, params)
+    plain.run(want_reqs)
+    d = Draft(other, other_cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=3, topk=2,
+                                                               num_draft_tokens=6, ngram_branch=2))
+    eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=1),
+                 jnp.float32, draft=d, sched=SchedulerOptions(handover=True))
+    reqs = _requests(prompts, params)
+    eng.run(reqs)
+    _assert_clean(eng)
+    assert eng.handed_over > 0
+    for r, w in zip(reqs, want_reqs):
+        got, ref = r.output(), w.output()
+        assert got.token_ids == ref.token_ids
+        if r.params.logprobs is not None:
+            assert len(got.logprobs) == len(ref.logprobs)
+            for a, b in zip(got.logprobs, ref.logprobs):
+                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
 def test_cancel_parked_request(setup):
     """A request parked in a spare slot (prefilled, waiting) is cancelled alone: its slot and pages
     are freed, the others' tokens are plain greedy's."""
