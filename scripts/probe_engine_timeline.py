@@ -153,6 +153,8 @@ def main(argv=None):
     p.add_argument("--max-batch", type=int, default=1, help="engine slots (the prompts run max-batch at a time)")
     p.add_argument("--show", type=int, default=40, help="steps printed as a table")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--unread", type=int, default=1, help="SchedulerOptions(unread=N): decode dispatches the "
+                   "host leaves unread after a step (default 1)")
     p.add_argument("--handover", action="store_true", help="SchedulerOptions(handover=True) (row hand-over: "
                    "specjax.engine_handover)")
     p.add_argument("--trace", action="store_true", help="also trace the timed call (jax.profiler) and report the "
@@ -172,7 +174,7 @@ def main(argv=None):
 
     draft = a.draft or str(Path(__file__).resolve().parents[1] / "specjax/assets/eagle3-smollm2-135m")
     llm = LLM(model=a.model, draft=None if draft == "none" else draft, dtype=a.dtype,
-              max_batch=a.max_batch, scheduler=SchedulerOptions(handover=a.handover))
+              max_batch=a.max_batch, scheduler=SchedulerOptions(handover=a.handover, unread=a.unread))
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [f"Write a short note number {i} about the weather, the sea and the mountains." for i in range(a.prompts)]
     tl = Timeline(llm.engine)

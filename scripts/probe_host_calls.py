@@ -139,6 +139,8 @@ def main(argv=None):
                    "arrays kept by content (module doc)")
     p.add_argument("--trace-host", action="store_true", help="a third call under jax.profiler.trace: host "
                    "events summed by name (module doc)")
+    p.add_argument("--unread", type=int, default=1, help="SchedulerOptions(unread=N): decode dispatches the "
+                   "host leaves unread after a step (default 1)")
     p.add_argument("--handover", action="store_true", help="SchedulerOptions(handover=True) (row hand-over)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -151,7 +153,7 @@ def main(argv=None):
     from specjax.scheduler import SchedulerOptions
     llm = LLM(model=a.model, draft=None if draft == "none" else draft, dtype=a.dtype, max_batch=1,
               attention=a.attention, kv_compact_impl=a.kv_compact_impl,
-              scheduler=SchedulerOptions(handover=a.handover))
+              scheduler=SchedulerOptions(handover=a.handover, unread=a.unread))
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [f"Write a short note number {i} about the weather, the sea and the mountains." for i in range(a.prompts)]
     ct = CallTimes(llm.engine)

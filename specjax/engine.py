@@ -421,7 +421,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
                 self._admit_early()  # rows this dispatch finishes: the next request's prefill behind it
         if defer:
             self._prefill_planned()
-        self._collect(keep=newest if self.opts.async_loop else None)
+        self._collect(keep=self._unread(newest))
         self._requeue_missed(early + released)
         out = list(self._updates.values())
         self._updates.clear()

@@ -58,9 +58,12 @@ class AdmitAhead:
 
     def _requeue_missed(self, released: list) -> None:
         """After the step's read (which covers the released rows' dispatches: they are older than the
-        step's own): a released request that did not finish goes back to the front of the queue,
-        re-admitted like a preempted one (its epoch drops any output still on its way)."""
-        for req in reversed(released):
+        step's own, unless SchedulerOptions.unread leaves more unread: such requests wait for a later
+        step's read in `_released_early`): a released request that did not finish goes back to the
+        front of the queue, re-admitted like a preempted one (its epoch drops any output still on its way)."""
+        unread = {id(r) for e in self._pending for _, _, r, _ in e.rows}
+        self._released_early[:0] = [r for r in released if id(r) in unread]
+        for req in reversed([r for r in released if id(r) not in unread]):
             if not req.finished:
                 self.admit_ahead_misses += 1
                 self.sched.requeue(req)

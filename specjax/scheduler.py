@@ -52,6 +52,9 @@ class SchedulerOptions:
     #                            no faster at batch 1, 6x the misses (specjax.engine_ahead, docs/benchmarks.md)
     handover: bool = False  # a speculative engine gets a spare slot per row where the next request is prefilled
     #                         ahead; a fused dispatch's row runs it once its request ends (specjax.engine_handover)
+    unread: int = 1  # dispatches the host leaves unread after a step (async_loop): 1, the one just made (the
+    #                  host reads one step behind); 2 also the one before it, so that a step's longer host work (a
+    #                  request boundary's prefill) runs over two dispatches of queued device work
     overlap: bool = True  # grammars: compute the masks while the target forward runs (plain and speculative)
     grammar_drafts: bool = True  # grammar + speculation with a draft model / head: draft the grammar's
     #                              continuations into the trees (specjax.grammar_drafts; the n-gram drafter
@@ -64,7 +67,7 @@ class SchedulerOptions:
     dfa_max_classes: int = 256  # 512 KiB); JSON schemas need ~15 states per string field (bench_engine's: 164)
 
     def __post_init__(self):
-        for name in ("dfa_max_states", "dfa_max_classes"):
+        for name in ("dfa_max_states", "dfa_max_classes", "unread"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")

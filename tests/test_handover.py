@@ -252,3 +252,30 @@ def test_dispatch_without_handover_takes_its_rows_flags(setup):
     assert lite and any(r.logprobs is not None for _, reqs in lite for r in reqs)
     for flags, reqs in lite:
         assert flags["want_logprobs"] == any(r.logprobs is not None for r in reqs)
+
+
+@pytest.mark.parametrize("draft,handover", [(None, False), ("other", False), ("other", True), ("self", True)])
+def test_two_dispatches_unread(setup, draft, handover):
+    """SchedulerOptions(unread=2): the host reads two dispatches behind. Greedy tokens equal plain decoding's
+    (with stop ids and short requests mixed), sampled ones the one-behind engine's; nothing leaks."""
+    cfg, target, _, _, prompts = setup
+    probe = _run(_engine(setup, None), prompts)
+    params = [SamplingParams(max_tokens=n, temperature=0, stop_token_ids=[probe[0][3]], ignore_eos=True)
+              for n in (20, 3, 20, 1, 9, 20)]
+    sampled = [SamplingParams(max_tokens=16, temperature=t, ignore_eos=True) for t in (0.9, 0.0, 1.2, 0.7, 0.0, 1.0)]
+    d = make_draft(setup, draft)
+    make = lambda unread: Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ),  # noqa: E731
+                                 BatchOptions(max_batch=1), jnp.float32, draft=d,
+                                 sched=SchedulerOptions(handover=handover, unread=unread))
+    eng = make(2)
+    unread, step = [], eng.step
+
+    def counted():  # decode dispatches left unread after each step
+        out = step()
+        unread.append(sum(e.kind != "prefill" for e in eng._pending))
+        return out
+
+    eng.step = counted
+    assert _run(eng, prompts, params) == _run(_engine(setup, None), prompts, params)
+    assert max(unread) == 2
+    assert _run(eng, prompts, sampled) == _run(make(1), prompts, sampled)

@@ -1,4 +1,5 @@
 """scripts/probe_dispatch_cost.py runs on the CPU and times every program it names."""
+import json
 import math
 
 import jax.numpy as jnp
@@ -92,3 +93,23 @@ def test_engine_timeline_device_gaps_merge_overlaps_and_sum_gaps_by_programs():
     assert d["gaps_over_20us_by_programs"] == {"jit_fused -> jit_prefill": {"n": 1, "ms": 0.3},
                                                "jit_prefill -> jit_fused": {"n": 1, "ms": 0.05}}
 
+
+
+def test_boundary_modes_probe_times_every_mode_in_rounds(tmp_path):
+    """scripts/probe_boundary_modes.py on a tiny model: every mode timed once a round, the speculative modes'
+    tau, ratio to plain and bar; float32 greedy tokens equal across the modes."""
+    from tiny_dir import make_tiny_model_dir
+
+    mod = load_script("probe_boundary_modes")
+    d = make_tiny_model_dir(tmp_path / "m")
+    res = mod.main(["--model", str(d), "--draft", "ngram", "--prompts", "3", "--max-tokens", "12",
+                    "--dtype", "float32", "--rounds", "2", "--json", str(tmp_path / "r.json")])
+    modes = res["modes"]
+    assert set(modes) == set(mod.MODES) and all(len(m["walls"]) == 2 for m in modes.values())
+    assert len({m["tokens_sha1"] for m in modes.values()}) == 1 and modes["plain"]["tokens"] == 36
+    for name, m in modes.items():
+        assert m["tok_s"] > 0 and m["wall_s"] == sorted(m["walls"])[0] + (sorted(m["walls"])[1] - sorted(m["walls"])[0]) / 2
+        if name != "plain":
+            assert m["tau"] >= 1 and m["spec_dispatch_steps"] > 0
+            assert m["bar"] == round(m["tau"] / 1.3, 3) and m["x_plain"] == round(m["tok_s"] / modes["plain"]["tok_s"], 3)
+    assert json.loads((tmp_path / "r.json").read_text())["modes"].keys() == modes.keys()
