@@ -74,6 +74,7 @@ def main(argv=None) -> dict:
             t = time.perf_counter()
             outs = llms[m].generate(prompts, sp)
             res["modes"][m]["walls"].append(round(time.perf_counter() - t, 4))
+            print(f"[probe] round {r} {m} {res['modes'][m]['walls'][-1]} s", flush=True)
             res["modes"][m]["tokens_sha1"] = hashlib.sha1(json.dumps([list(o.token_ids) for o in outs]).encode()).hexdigest()[:12]
             res["modes"][m]["tokens"] = sum(len(o.token_ids) for o in outs)
             if MODES[m] is not None:  # tau as the eval counts it: tokens / the requests' fused steps
