@@ -240,6 +240,9 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--handover", action="store_true",
                    help="speculation: a spare slot per row where the next request is prefilled ahead; a fused "
                         "dispatch's row runs it once its request ends (no steps lost past a request's end)")
+    g.add_argument("--unread", type=positive_int, default=SchedulerOptions.unread, metavar="N",
+                   help="decode dispatches the host leaves unread after a step: 1 reads one behind, 2 two "
+                        "behind (a request boundary's host work then runs over two dispatches of device work)")
 
 
 def check_model_arguments(a) -> None:
@@ -299,7 +302,8 @@ def llm_from_args(a, **more):
     from specjax import LLM
     from specjax.scheduler import SchedulerOptions
     more.setdefault("scheduler", SchedulerOptions(device_dfa=a.device_dfa, dfa_max_states=a.dfa_max_states,
-                                                  dfa_max_classes=a.dfa_max_classes, handover=a.handover))
+                                                  dfa_max_classes=a.dfa_max_classes, handover=a.handover,
+                                                  unread=a.unread))
     return LLM(a.model, dtype=a.dtype, max_batch=a.max_batch, max_seq_len=a.max_seq_len, draft=a.draft,
                spec=a.spec, tensor_parallel=a.tensor_parallel, kv_compact_impl=a.kv_compact_impl,
                draft_topk=a.draft_topk,

@@ -134,7 +134,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
              max_batch: int = 1,
              max_tokens: int = MAX_TOKENS, dtype: str = "auto", max_seq_len: int = 2048,
              chat: bool | None = None, warmup_tokens: int = 8, min_accept="auto", draft_topk: str = "auto",
-             attention: str = "auto", repeats: int = 1, handover: bool = False,
+             attention: str = "auto", repeats: int = 1, handover: bool = False, unread: int = 1,
              spec_steps_per_call: int | None = None, log=print) -> dict:
     """Plain vs speculative greedy decoding per category, the same tokens per prompt (EOS ignored)
     -> summary dict (see module doc). draft: a draft directory, "self" or "ngram"; min_accept: the
@@ -142,7 +142,8 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     tree's top-k (LLM(draft_topk=...)); attention: both LLMs' paged attention (LLM(attention=...)).
     repeats: timed runs of each set per engine, alternating plain and speculative; seconds, tokens and
     step counts add up over them, τ and the outputs are the last run's (greedy: the same tokens).
-    handover: the speculative engine's row hand-over (SchedulerOptions.handover, specjax.engine_handover).
+    handover: the speculative engine's row hand-over (SchedulerOptions.handover, specjax.engine_handover);
+    unread: its decode dispatches left unread after a step (SchedulerOptions.unread).
     spec_steps_per_call: its fused steps per dispatch (LLM(spec_steps_per_call=...); None: the default)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -167,7 +168,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     from specjax.scheduler import SchedulerOptions
     spec = LLM(model, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len, draft=draft, spec=spec_cfg,
                min_accept=min_accept, draft_topk=draft_topk, attention=attention,
-               scheduler=SchedulerOptions(handover=handover),
+               scheduler=SchedulerOptions(handover=handover, unread=unread),
                **({} if spec_steps_per_call is None else {"spec_steps_per_call": spec_steps_per_call}))
     spec_cfg = spec.spec
     num_steps, topk = spec_cfg.num_steps, spec_cfg.topk
@@ -271,7 +272,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     settings = {"model": str(plain.model_dir), "draft": str(draft), "method": spec_cfg.method,
                 "num_steps": num_steps, "topk": topk, "num_draft_tokens": spec_cfg.num_draft_tokens,
                 "max_batch": max_batch, "max_tokens": max_tokens, "ignore_eos": True, "dtype": plain.dtype, "chat": chat,
-                "repeats": repeats, "handover": handover,
+                "repeats": repeats, "handover": handover, "unread": unread,
                 "spec_steps_per_call": spec.engine.batch_opts.spec_steps_per_call,
                 "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "min_accept": gate,
                 "draft_vocab_size": None if vocab is None else len(vocab),
@@ -332,6 +333,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handover", action="store_true",
                    help="the speculative engine hands a fused dispatch's row over to the next request, prefilled "
                         "ahead into a spare slot, once its request ends (SchedulerOptions.handover)")
+    p.add_argument("--unread", type=positive_int, default=1, metavar="N",
+                   help="the speculative engine's decode dispatches left unread after a step: 1 reads one "
+                        "behind, 2 two behind (SchedulerOptions.unread)")
     p.add_argument("--spec-steps-per-call", type=positive_int, default=None, metavar="K",
                    help="fused speculative steps per dispatch of the speculative engine (default: the engine's, "
                         "as `specjax generate --spec-steps-per-call`)")
@@ -401,6 +405,7 @@ def cmd_eval(a) -> int:
                        max_seq_len=a.max_seq_len,
                        chat=False if a.raw else None, warmup_tokens=a.warmup_tokens, min_accept=a.min_accept,
                        draft_topk=a.draft_topk, attention=a.attention, repeats=a.repeats, handover=a.handover,
+                       unread=a.unread,
                        spec_steps_per_call=a.spec_steps_per_call, log=log)
     ids = summary.pop("prompt_ids")
     if a.hf_baseline:

@@ -181,14 +181,16 @@ def llm_arguments(monkeypatch, argv) -> dict:
 
 
 @pytest.mark.parametrize("extra, expect", [
-    ([], (True, SchedulerOptions.dfa_max_states, SchedulerOptions.dfa_max_classes, False)),
-    (["--no-device-dfa", "--dfa-max-states", "64", "--dfa-max-classes", "32", "--handover"], (False, 64, 32, True)),
+    ([], (True, SchedulerOptions.dfa_max_states, SchedulerOptions.dfa_max_classes, False, 1)),
+    (["--no-device-dfa", "--dfa-max-states", "64", "--dfa-max-classes", "32", "--handover", "--unread", "2"],
+     (False, 64, 32, True, 2)),
 ])
 def test_device_dfa_flags_reach_the_scheduler(tiny, monkeypatch, extra, expect):
-    """--no-device-dfa / --dfa-max-states / --dfa-max-classes / --handover become the LLM's SchedulerOptions."""
+    """--no-device-dfa / --dfa-max-states / --dfa-max-classes / --handover / --unread become the LLM's
+    SchedulerOptions."""
     seen = llm_arguments(monkeypatch, ["generate", "--model", str(tiny), "--prompt", "w5", "--regex", "w[0-9]", *extra])
     s = seen["scheduler"]
-    assert (s.device_dfa, s.dfa_max_states, s.dfa_max_classes, s.handover) == expect
+    assert (s.device_dfa, s.dfa_max_states, s.dfa_max_classes, s.handover, s.unread) == expect
 
 
 def test_bad_dfa_limit_is_a_usage_error(capsys, no_load):
