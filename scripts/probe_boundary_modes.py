@@ -1,8 +1,8 @@
 """Request boundaries at batch 1: plain decoding and the speculative engine's boundary modes, timed in
 rounds on one machine (runs anywhere; meant for a GPU).
 
-    python3 scripts/probe_boundary_modes.py --model DIR [--draft DIR] [--prompts 16] [--max-tokens 256]
-                                            [--rounds 3] [--modes plain base handover ...] [--json F]
+    python3 scripts/probe_boundary_modes.py --model DIR [--draft DIR] [--prompts 16]
+        [--max-tokens 256] [--rounds 3] [--modes plain base handover ...] [--json F]
 
 Each mode is an LLM (one slot, greedy, EOS ignored) over the same prompts:
   plain         no draft;
@@ -13,9 +13,10 @@ Each mode is an LLM (one slot, greedy, EOS ignored) over the same prompts:
 Every mode is compiled first (two untimed `generate` calls, the second for the prefix cache's shapes); then
 each round times one `generate` per mode, the modes' order rotated from round to round, so that a slow
 spell of the machine touches every mode. Reported per mode: the median wall of its rounds, tokens/s, τ
-(the eval's: tokens over the requests' fused steps) and tokens per dispatched fused step, the speculative modes' ratio to plain's tokens/s and
-the batch-1 bar τ / 1.3 (issue 13), the engine's boundary counters and a hash of the tokens (bf16: the modes'
-programs may differ in rounding, so the hashes may too).
+(the eval's: tokens over the requests' fused steps) and tokens per dispatched fused step (past-end steps
+count), the speculative modes' ratio to plain's tokens/s and the batch-1 bar τ / 1.3 (issue 13), the
+engine's boundary counters and a hash of the tokens (bf16: the modes' programs may differ in rounding, so
+the hashes may too).
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def main(argv=None) -> dict:
 
     draft = a.draft or str(Path(__file__).resolve().parents[1] / "specjax/assets/eagle3-smollm2-135m")
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
-    prompts = [f"Write a short note number {i} about the weather, the sea and the mountains." for i in range(a.prompts)]
+    prompts = [f"Write a short note number {i} about the weather, the sea and the mountains."
+               for i in range(a.prompts)]
     llms, res = {}, {"backend": jax.default_backend(), "prompts": a.prompts, "max_tokens": a.max_tokens, "modes": {}}
     for m in a.modes:
         t = time.perf_counter()
@@ -75,7 +77,8 @@ def main(argv=None) -> dict:
             outs = llms[m].generate(prompts, sp)
             res["modes"][m]["walls"].append(round(time.perf_counter() - t, 4))
             print(f"[probe] round {r} {m} {res['modes'][m]['walls'][-1]} s", flush=True)
-            res["modes"][m]["tokens_sha1"] = hashlib.sha1(json.dumps([list(o.token_ids) for o in outs]).encode()).hexdigest()[:12]
+            ids = json.dumps([list(o.token_ids) for o in outs]).encode()
+            res["modes"][m]["tokens_sha1"] = hashlib.sha1(ids).hexdigest()[:12]
             res["modes"][m]["tokens"] = sum(len(o.token_ids) for o in outs)
             if MODES[m] is not None:  # tau as the eval counts it: tokens / the requests' fused steps
                 steps = sum(len(o.token_ids) / o.accept_len_mean for o in outs if o.accept_len_mean)
@@ -93,7 +96,8 @@ def main(argv=None) -> dict:
                 e["x_plain"] = round(e["tok_s"] / plain["tok_s"], 3)
                 e["bar"] = round(e["tau"] / 1.3, 3)
         print(f"[probe] {m:10s} wall {e['wall_s']:.4f} s {e['tok_s']:9.1f} tok/s"
-              + (f" tau {e['tau']:.3f} tok/fused {e['tok_per_fused']:.3f} x{e.get('x_plain', 0):.3f} (bar {e.get('bar', 0):.3f})" if "tau" in e else "")
+              + (f" tau {e['tau']:.3f} tok/fused {e['tok_per_fused']:.3f} x{e.get('x_plain', 0):.3f}"
+                 f" (bar {e.get('bar', 0):.3f})" if "tau" in e else "")
               + f" walls {e['walls']} sha {e['tokens_sha1']} "
               + " ".join(f"{k}={e[k]}" for k in COUNTERS if e.get(k)), flush=True)
     if a.json:

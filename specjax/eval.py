@@ -72,7 +72,8 @@ def _run(llm, prompts, params):
 # the speculative engine's counters reported for each timed repeat (Engine.stats(); `spec_runs` of a set)
 RUN_STATS = ("spec_dispatch_steps", "prefill_tokens", "prefix_cache_hits", "prefix_cache_hit_tokens",
              "prefix_cache_evictions", "catch_ups", "catch_up_tokens", "num_preempted", "admitted_ahead",
-             "admitted_early", "admit_ahead_misses", "held_back_steps", "handed_over", "handover_no_pages", "host_read_s", "host_dispatch_s", "host_step_s")
+             "admitted_early", "admit_ahead_misses", "held_back_steps", "handed_over", "handover_no_pages",
+             "host_read_s", "host_dispatch_s", "host_step_s")
 
 
 def _ids(llm, texts, chat: bool) -> list[list[int]]:
