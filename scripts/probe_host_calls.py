@@ -179,8 +179,8 @@ def main(argv=None):
         ct.on = False
         res["traced"] = {"calls": ct.summary(), "host_events": host_events(tdir)}
     st = llm.engine.stats()
-    res["engine"] = {k: st.get(k) for k in ("handed_over", "handover_no_pages", "admitted_ahead", "admit_ahead_misses", "held_back_steps",
-                                            "spec_dispatch_steps", "spec_dispatches")}
+    res["engine"] = {k: st.get(k) for k in ("handed_over", "handover_no_pages", "admitted_ahead", "admit_ahead_misses",
+                                            "held_back_steps", "spec_dispatch_steps", "spec_dispatches")}
     res["tokens_sha1"] = hashlib.sha1(json.dumps([list(o.token_ids) for o in outs]).encode()).hexdigest()[:12]
     print(json.dumps(res, indent=1), flush=True)
     if a.json:

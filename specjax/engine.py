@@ -467,12 +467,13 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         p = dispatch_plan.plan(rows, grammar, b, self.sched, self.draft, self.lookahead, gated,
                                caps=self.steps_cap.chain(b), ready=ready,
                                spec=None if self.draft is None else self.spec)
-        no_pages = p.kind == "spec" and not grammar and followers and p.num_steps > 1 and not self.sched.ensure_extra(
-            [x for x, _ in followers], (p.num_steps - 1) * (self.spec.num_steps + 1))
+        no_pages = bool(p.kind == "spec" and not grammar and followers and p.num_steps > 1
+                        and not self.sched.ensure_extra([x for x, _ in followers],
+                                                        (p.num_steps - 1) * (self.spec.num_steps + 1)))
         if p.kind != "spec" or grammar or no_pages:
             if followers:  # the program's flags are the rows' own: no successor runs in it
                 flags = self._flags([r for _, r in rows])
-                self.handover_no_pages += bool(no_pages)
+                self.handover_no_pages += no_pages
             succ, followers = None, []  # no hand-over in this dispatch (pages for the successors' K steps)
         flags = self._split_flags(p, rows, flags, rows_b(p.kind), grammar, also=followers)
         if p.wanted is not None:  # the adapted K's program is compiled off the engine thread meanwhile

@@ -61,6 +61,8 @@ class AdmitAhead:
         step's own, unless SchedulerOptions.unread leaves more unread: such requests wait for a later
         step's read in `_released_early`): a released request that did not finish goes back to the
         front of the queue, re-admitted like a preempted one (its epoch drops any output still on its way)."""
+        if not released:  # (most steps)
+            return
         unread = {id(r) for e in self._pending for _, _, r, _ in e.rows}
         self._released_early[:0] = [r for r in released if id(r) in unread]
         for req in reversed([r for r in released if id(r) not in unread]):

@@ -77,9 +77,9 @@ class ResultSteps:
         """The oldest dispatch a step leaves unread, for _collect: its decode dispatch `newest`, or with
         SchedulerOptions.unread = n the n-th newest decode dispatch (prefills between them stay unread too);
         None (read all) in the synchronous loop and after a step that dispatched nothing."""
-        if not self.opts.async_loop or newest is None or self.opts.unread == 1:
-            return newest if self.opts.async_loop else None
-        decodes = [e for e in self._pending if e.kind != "prefill"]
+        if not self.opts.async_loop or newest is None:
+            return None
+        decodes = [e for e in self._pending if e.kind != "prefill"]  # the last one is `newest`
         return decodes[max(len(decodes) - self.opts.unread, 0)]
 
     def _read(self, e: _Dispatched) -> tuple:

@@ -54,7 +54,8 @@ class SchedulerOptions:
     #                         ahead; a fused dispatch's row runs it once its request ends (specjax.engine_handover)
     unread: int = 1  # dispatches the host leaves unread after a step (async_loop): 1, the one just made (the
     #                  host reads one step behind); 2 also the one before it, so that a step's longer host work (a
-    #                  request boundary's prefill) runs over two dispatches of queued device work
+    #                  request boundary's prefill) runs over two dispatches of queued device work (steps with
+    #                  host-grammar rows read every dispatch first, as before)
     overlap: bool = True  # grammars: compute the masks while the target forward runs (plain and speculative)
     grammar_drafts: bool = True  # grammar + speculation with a draft model / head: draft the grammar's
     #                              continuations into the trees (specjax.grammar_drafts; the n-gram drafter
