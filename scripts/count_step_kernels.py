@@ -11,6 +11,8 @@ the fusion decisions are similar, not equal (a proxy for the GPU's counts).
 
     python3 scripts/count_step_kernels.py                       # tiny shape, batch 32, 8 steps
     python3 scripts/count_step_kernels.py --shape smollm2-135m --batch 1 --programs plain,fused --json k.json
+    python3 scripts/count_step_kernels.py --shape smollm2-135m --batch 1 --steps 2 --programs fused \
+        --tree 7:4:24 --ngram-branch 7 --draft-topk reduce          # the shipped batch-1 tree, the GPU's top-k
 """
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ def loop_kernels(hlo: str) -> collections.Counter:
     return counts
 
 
-def build(shape: str, batch: int, steps: int, pages_per_row: int = 8, page_size: int = 16):
+def build(shape: str, batch: int, steps: int, pages_per_row: int = 8, page_size: int = 16,
+          tree: tuple[int, int, int] = (3, 2, 5), ngram_branch: int = 0, draft_topk: str = "xla"):
     """{program name: compiled HLO text} for a random target of a named shape (specjax.shapes) and a
     random EAGLE-3 head (bench_spec.eagle3_head), float32."""
     import jax.numpy as jnp
@@ -75,6 +78,7 @@ def build(shape: str, batch: int, steps: int, pages_per_row: int = 8, page_size:
     from specjax import programs as prog
     from specjax.decode import DecodeState
     from specjax.drafter import DraftInfo
+    from specjax.kernels import Kernels
     from specjax.kv_cache import init_cache
     from specjax.models.llama import Llama
     from specjax.shapes import shape_config
@@ -84,7 +88,8 @@ def build(shape: str, batch: int, steps: int, pages_per_row: int = 8, page_size:
     cfg = shape_config(shape)
     target = Llama(cfg, jnp.float32, nnx.Rngs(0))
     head, ecfg = bs.eagle3_head(shape, cfg, jnp.float32)
-    spec = SpecConfig(method="eagle3", num_steps=3, topk=2, num_draft_tokens=5)
+    spec = SpecConfig(method="eagle3", num_steps=tree[0], topk=tree[1], num_draft_tokens=tree[2],
+                      ngram_branch=ngram_branch)
     B, pps = batch, pages_per_row
 
     def cache(c):
@@ -95,7 +100,7 @@ def build(shape: str, batch: int, steps: int, pages_per_row: int = 8, page_size:
     slots, active = jnp.arange(B, dtype=jnp.int32), jnp.ones(B, bool)
     samp_all, stop = prog.init_samp(B), prog.no_stop(B)
     sp, tw, dw = prog.spec_programs(DraftInfo("eagle3", ecfg.aux_layers), spec, *nnx.split(target),
-                                    *nnx.split(head))
+                                    *nnx.split(head), kernels=Kernels(draft_topk=draft_topk))
     pp, pw = prog.plain_programs(*nnx.split(target))
     texts = {"plain": pp.decode_many.lower(pw, DecodeState(cache=cache(cfg), last_tokens=jnp.zeros(B, jnp.int32)),
                                            samp_all, slots, active, None, num_steps=steps, want_logprobs=False,
@@ -113,6 +118,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8, help="steps per program (>= 2: the loop whose body is counted)")
     p.add_argument("--shape", default="tiny", help="a random target of this shape (specjax.shapes)")
     p.add_argument("--programs", default="plain,lite,fused")
+    p.add_argument("--tree", default="3:2:5", help="the fused program's tree, steps:topk:draft tokens")
+    p.add_argument("--ngram-branch", type=int, default=0, help="n-gram branch nodes added to the tree")
+    p.add_argument("--draft-topk", default="xla", choices=("xla", "reduce"),
+                   help="the draft's per-level top-k (GPU engines run reduce)")
+    p.add_argument("--pages-per-row", type=int, default=8, help="KV pages per row (16 tokens each)")
     p.add_argument("--json", help="write {program: {op name: kernels}} here")
     a = p.parse_args(argv)
     if a.steps < 2:
@@ -121,7 +131,14 @@ def main(argv=None):
     unknown = set(wanted) - {"plain", "lite", "fused"}
     if unknown:
         p.error(f"unknown programs {sorted(unknown)}: choose from plain, lite, fused")
-    counts = {k: loop_kernels(v) for k, v in build(a.shape, a.batch, a.steps).items()
+    try:
+        tree = tuple(int(x) for x in a.tree.split(":"))
+        assert len(tree) == 3
+    except (ValueError, AssertionError):
+        p.error(f"--tree must be steps:topk:draft_tokens (three ints), got {a.tree!r}")
+    counts = {k: loop_kernels(v) for k, v in build(a.shape, a.batch, a.steps, a.pages_per_row, tree=tree,
+                                                    ngram_branch=a.ngram_branch,
+                                                    draft_topk=a.draft_topk).items()
               if k in wanted}
     print(f"{a.shape}, batch {a.batch}: kernels per step " +
           ", ".join(f"{k} {sum(c.values())}" for k, c in counts.items()))

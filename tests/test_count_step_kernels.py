@@ -26,3 +26,16 @@ def test_a_program_without_a_loop_is_refused():
         mod.loop_kernels(hlo)
     with pytest.raises(SystemExit):
         mod.main(["--steps", "1"])
+
+
+def test_tree_shape_and_draft_topk_reach_the_fused_program():
+    mod = load_script("count_step_kernels")
+    small = mod.main(["--batch", "1", "--steps", "2", "--programs", "fused"])["fused"]
+    deep = mod.main(["--batch", "1", "--steps", "2", "--programs", "fused", "--tree", "5:3:12", "--ngram-branch", "3",
+                     "--draft-topk", "reduce"])["fused"]
+
+    def draft(c):
+        return sum(v for k, v in c.items() if k.startswith("draft/"))
+    assert draft(deep) > draft(small) > 0  # two more growth levels and the branch's lookup and merge
+    with pytest.raises(SystemExit):
+        mod.main(["--tree", "5:3"])
