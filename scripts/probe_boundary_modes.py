@@ -6,10 +6,11 @@ rounds on one machine (runs anywhere; meant for a GPU).
 
 Each mode is an LLM (one slot, greedy, EOS ignored) over the same prompts:
   plain         no draft;
-  base          the speculative engine as shipped (admission ahead, one dispatch unread);
-  handover      SchedulerOptions(handover=True): row hand-over (specjax.engine_handover);
-  unread2       SchedulerOptions(unread=2): the host reads two dispatches behind;
-  handover2     both.
+  base          SchedulerOptions(handover=False, unread=1): admission ahead, one dispatch unread (the
+                batch-1 default until session 43);
+  handover      SchedulerOptions(handover=True, unread=1): row hand-over (specjax.engine_handover);
+  unread2       SchedulerOptions(handover=False, unread=2): the host reads two dispatches behind;
+  handover2     both (the batch-1 default since session 43: SchedulerOptions() at max_batch 1).
 Every mode is compiled first (two untimed `generate` calls, the second for the prefix cache's shapes); then
 each round times one `generate` per mode, the modes' order rotated from round to round, so that a slow
 spell of the machine touches every mode. Reported per mode: the median wall of its rounds, tokens/s, τ
@@ -30,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODES = {"plain": None, "base": {}, "handover": {"handover": True}, "unread2": {"unread": 2},
-         "handover2": {"handover": True, "unread": 2}}
+MODES = {"plain": None, "base": {"handover": False, "unread": 1}, "handover": {"handover": True, "unread": 1},
+         "unread2": {"handover": False, "unread": 2}, "handover2": {"handover": True, "unread": 2}}
 COUNTERS = ("spec_dispatch_steps", "spec_dispatches", "handed_over", "handover_no_pages", "admitted_ahead",
             "admit_ahead_misses", "held_back_steps")
 

@@ -237,12 +237,14 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
                    help="device DFA tables: states per slot (a constraint with more takes the host path)")
     g.add_argument("--dfa-max-classes", type=positive_int, default=SchedulerOptions.dfa_max_classes, metavar="N",
                    help="device DFA tables: token classes per slot (a constraint with more takes the host path)")
-    g.add_argument("--handover", action="store_true",
+    g.add_argument("--handover", action=argparse.BooleanOptionalAction, default=None,
                    help="speculation: a spare slot per row where the next request is prefilled ahead; a fused "
-                        "dispatch's row runs it once its request ends (no steps lost past a request's end)")
-    g.add_argument("--unread", type=positive_int, default=SchedulerOptions.unread, metavar="N",
+                        "dispatch's row runs it once its request ends (no steps lost past a request's end); "
+                        "default: on at --max-batch 1 (one device, no --spec-tiers), off otherwise")
+    g.add_argument("--unread", type=positive_int, default=None, metavar="N",
                    help="decode dispatches the host leaves unread after a step: 1 reads one behind, 2 two "
-                        "behind (a request boundary's host work then runs over two dispatches of device work)")
+                        "behind (a request boundary's host work then runs over two dispatches of device work); "
+                        "default: 2 with hand-over, else 1")
 
 
 def check_model_arguments(a) -> None:

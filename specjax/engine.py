@@ -26,9 +26,10 @@ One engine step (`Engine.step`):
      step t+1 computed for it is dropped, so the outputs are those of the synchronous loop
      (SchedulerOptions(async_loop=False): read every step right after dispatching it).
 
-Row hand-over (SchedulerOptions.handover, specjax.engine_handover): a speculative engine with a spare
-slot per row prefills the next request ahead (after a step's dispatch); a fused dispatch's row runs it
-once its request ends, so no steps run past a request's end and the host launches no request boundary.
+Row hand-over (SchedulerOptions.handover, specjax.engine_handover; by default on for one row): a speculative
+engine with a spare slot per row prefills the next request ahead (after a step's dispatch); a fused dispatch's
+row runs it once its request ends, so no steps run past a request's end and the host launches no request
+boundary.
 
 Several JAX processes (specjax.multihost): every process runs this engine; process 0's `replica`
 sends the requests added / cancelled since the last step before each step, the others replay them,
@@ -107,7 +108,9 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         compile_cache.enable()
         self.cfg = cfg
         self.cache_opts, self.batch_opts = cache_opts, batch_opts
-        self.opts = sched or SchedulerOptions()
+        # hand-over and unread decided here (their None: on for one speculative row, SchedulerOptions)
+        self.opts = (sched or SchedulerOptions()).resolve_boundary(
+            draft is not None, batch_opts.max_batch, draft is not None and draft.tiers is not None, mesh is not None)
         self.draft = draft
         self.mesh = mesh
         self._grammar = grammar

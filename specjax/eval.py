@@ -135,7 +135,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
              max_batch: int = 1,
              max_tokens: int = MAX_TOKENS, dtype: str = "auto", max_seq_len: int = 2048,
              chat: bool | None = None, warmup_tokens: int = 8, min_accept="auto", draft_topk: str = "auto",
-             attention: str = "auto", repeats: int = 1, handover: bool = False, unread: int = 1,
+             attention: str = "auto", repeats: int = 1, handover: bool | None = None, unread: int | None = None,
              spec_steps_per_call: int | None = None, log=print) -> dict:
     """Plain vs speculative greedy decoding per category, the same tokens per prompt (EOS ignored)
     -> summary dict (see module doc). draft: a draft directory, "self" or "ngram"; min_accept: the
@@ -143,8 +143,9 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     tree's top-k (LLM(draft_topk=...)); attention: both LLMs' paged attention (LLM(attention=...)).
     repeats: timed runs of each set per engine, alternating plain and speculative; seconds, tokens and
     step counts add up over them, τ and the outputs are the last run's (greedy: the same tokens).
-    handover: the speculative engine's row hand-over (SchedulerOptions.handover, specjax.engine_handover);
-    unread: its decode dispatches left unread after a step (SchedulerOptions.unread).
+    handover: the speculative engine's row hand-over (SchedulerOptions.handover, specjax.engine_handover;
+    None: the engine's default, on at max_batch 1); unread: its decode dispatches left unread after a step
+    (SchedulerOptions.unread; None: the default, 2 with hand-over). The settings record what ran.
     spec_steps_per_call: its fused steps per dispatch (LLM(spec_steps_per_call=...); None: the default)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -273,7 +274,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     settings = {"model": str(plain.model_dir), "draft": str(draft), "method": spec_cfg.method,
                 "num_steps": num_steps, "topk": topk, "num_draft_tokens": spec_cfg.num_draft_tokens,
                 "max_batch": max_batch, "max_tokens": max_tokens, "ignore_eos": True, "dtype": plain.dtype, "chat": chat,
-                "repeats": repeats, "handover": handover, "unread": unread,
+                "repeats": repeats, "handover": spec.engine.handover, "unread": spec.engine.opts.unread,
                 "spec_steps_per_call": spec.engine.batch_opts.spec_steps_per_call,
                 "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "min_accept": gate,
                 "draft_vocab_size": None if vocab is None else len(vocab),
@@ -331,12 +332,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs of each set per engine, alternating (seconds, tokens and steps add up; "
                    "a set's run is short on a GPU, so repeats steady the tokens/s)")
-    p.add_argument("--handover", action="store_true",
+    p.add_argument("--handover", action=argparse.BooleanOptionalAction, default=None,
                    help="the speculative engine hands a fused dispatch's row over to the next request, prefilled "
-                        "ahead into a spare slot, once its request ends (SchedulerOptions.handover)")
-    p.add_argument("--unread", type=positive_int, default=1, metavar="N",
+                        "ahead into a spare slot, once its request ends (SchedulerOptions.handover; default: "
+                        "on at --max-batch 1)")
+    p.add_argument("--unread", type=positive_int, default=None, metavar="N",
                    help="the speculative engine's decode dispatches left unread after a step: 1 reads one "
-                        "behind, 2 two behind (SchedulerOptions.unread)")
+                        "behind, 2 two behind (SchedulerOptions.unread; default: 2 with hand-over, else 1)")
     p.add_argument("--spec-steps-per-call", type=positive_int, default=None, metavar="K",
                    help="fused speculative steps per dispatch of the speculative engine (default: the engine's, "
                         "as `specjax generate --spec-steps-per-call`)")

@@ -50,12 +50,14 @@ class SchedulerOptions:
     admit_early: bool = False  # admission ahead right after the dispatch expected to finish the rows (not
     #                            at the next step): the next request's prefill queues behind it; off: on an H200
     #                            no faster at batch 1, 6x the misses (specjax.engine_ahead, docs/benchmarks.md)
-    handover: bool = False  # a speculative engine gets a spare slot per row where the next request is prefilled
-    #                         ahead; a fused dispatch's row runs it once its request ends (specjax.engine_handover)
-    unread: int = 1  # dispatches the host leaves unread after a step (async_loop): 1, the one just made (the
-    #                  host reads one step behind); 2 also the one before it, so that a step's longer host work (a
-    #                  request boundary's prefill) runs over two dispatches of queued device work (steps with
-    #                  host-grammar rows read every dispatch first, as before)
+    handover: bool | None = None  # a speculative engine gets a spare slot per row where the next request is
+    #                               prefilled ahead; a fused dispatch's row runs it once its request ends
+    #                               (specjax.engine_handover). None: on for one row (max_batch 1) of a single-
+    #                               device asynchronous engine without tree tiers (resolve_boundary), off otherwise
+    unread: int | None = None  # dispatches the host leaves unread after a step (async_loop): 1, the one just made
+    #                  (the host reads one step behind); 2 also the one before it, so that a step's longer host work
+    #                  (a request boundary's prefill) runs over two dispatches of queued device work (steps with
+    #                  host-grammar rows read every dispatch first, as before). None: 2 with hand-over, else 1
     overlap: bool = True  # grammars: compute the masks while the target forward runs (plain and speculative)
     grammar_drafts: bool = True  # grammar + speculation with a draft model / head: draft the grammar's
     #                              continuations into the trees (specjax.grammar_drafts; the n-gram drafter
@@ -70,8 +72,23 @@ class SchedulerOptions:
     def __post_init__(self):
         for name in ("dfa_max_states", "dfa_max_classes", "unread"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            if (v is not None or name != "unread") and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an int >= 1{' or None' if name == 'unread' else ''}, got {v!r}")
+        if self.handover is not None and not isinstance(self.handover, bool):
+            raise ValueError(f"handover must be True, False or None (automatic), got {self.handover!r}")
+
+    def resolve_boundary(self, speculative: bool, max_batch: int, tiers: bool, mesh: bool) -> "SchedulerOptions":
+        """These options with handover and unread decided (their None: automatic). Hand-over is on by
+        default for a speculative engine of one row (max_batch 1) that is asynchronous, on one device
+        (no mesh) and without tree tiers, and then the host leaves two dispatches unread: on an H100
+        (docs/benchmarks.md, session 43) the batch-1 probe ran 16 x 256 tokens in 1.33 s this way against
+        1.48 s with hand-over alone and 1.62 s with neither, and the eval at batch 1 ran 2.98x plain.
+        Larger batches keep admission ahead (hand-over doubles the slots and was not measured there)."""
+        handover = self.handover
+        if handover is None:
+            handover = speculative and max_batch == 1 and self.async_loop and not tiers and not mesh
+        unread = self.unread if self.unread is not None else (2 if handover and speculative else 1)
+        return dataclasses.replace(self, handover=handover, unread=unread)
 
 
 def slot_pages(entries: int, page_size: int) -> int:

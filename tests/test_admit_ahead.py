@@ -25,7 +25,8 @@ def setup():
 def _engine(setup, draft: str | None, ahead: bool = True, early: bool = True) -> Engine:
     cfg, target = setup[:2]
     return Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=1),
-                  jnp.float32, draft=make_draft(setup, draft), sched=SchedulerOptions(admit_ahead=ahead, admit_early=early))
+                  jnp.float32, draft=make_draft(setup, draft),  # (without hand-over, the one-row default)
+                  sched=SchedulerOptions(admit_ahead=ahead, admit_early=early, handover=False, unread=1))
 
 
 def _requests(prompts, params=PARAMS):

@@ -181,7 +181,9 @@ def llm_arguments(monkeypatch, argv) -> dict:
 
 
 @pytest.mark.parametrize("extra, expect", [
-    ([], (True, SchedulerOptions.dfa_max_states, SchedulerOptions.dfa_max_classes, False, 1)),
+    ([], (True, SchedulerOptions.dfa_max_states, SchedulerOptions.dfa_max_classes, None, None)),  # engine decides
+    (["--no-handover", "--unread", "1"], (True, SchedulerOptions.dfa_max_states, SchedulerOptions.dfa_max_classes,
+                                          False, 1)),
     (["--no-device-dfa", "--dfa-max-states", "64", "--dfa-max-classes", "32", "--handover", "--unread", "2"],
      (False, 64, 32, True, 2)),
 ])

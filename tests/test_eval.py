@@ -195,8 +195,9 @@ def test_eval_shipped_head_small_run(tmp_path, monkeypatch, caplog):
 def test_eval_ngram_small_run(tmp_path, capsys, handover):
     """`specjax eval --speculate ngram` on two short prompts whose answers copy them (f32, a tree,
     two timed runs per engine): outputs equal plain decoding, the same work, and the drafts are
-    accepted (τ > 1); with --handover (row hand-over: the second prompt prefilled while the first runs)
-    and --spec-steps-per-call 8 and --unread 2 the same, and no slot given up ahead."""
+    accepted (τ > 1); by default at batch 1 with row hand-over (the second prompt prefilled while the first
+    runs) and two dispatches unread, here with --spec-steps-per-call 8, the same and no slot given up ahead;
+    --no-handover --unread 1 as before session 43."""
     from specjax.default_model import ensure_default
     ensure_default()
     src, out = tmp_path / "copy.jsonl", tmp_path / "eval.json"
@@ -206,7 +207,7 @@ def test_eval_ngram_small_run(tmp_path, capsys, handover):
     rc = cli.main(["eval", "--speculate", "ngram", "--prompts", str(src), "--max-tokens", "24", "--dtype", "float32",
                    "--max-seq-len", "128", "--num-steps", "4", "--topk", "2", "--warmup-tokens", "2",
                    "--attention", "reference", "--repeats", "2", "--json", str(out),
-                   *(["--handover", "--spec-steps-per-call", "8", "--unread", "2"] if handover else [])])
+                   *(["--spec-steps-per-call", "8"] if handover else ["--no-handover", "--unread", "1"])])
     assert rc == 0, capsys.readouterr().err
     s = json.loads(out.read_text())
     assert s["settings"]["handover"] is handover and s["settings"]["unread"] == (2 if handover else 1)

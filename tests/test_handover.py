@@ -26,10 +26,12 @@ def setup():
     return draft_setup((5, 19, 2, 11, 7, 3))
 
 
-def _engine(setup, draft: str | None, handover: bool = True, max_batch: int = 1) -> Engine:
+def _engine(setup, draft: str | None, handover: bool = True, max_batch: int = 1, unread: int = 1) -> Engine:
+    """An engine with hand-over on or off and one dispatch unread (unread=2, the default with hand-over at
+    max_batch 1, has its own tests below)."""
     cfg, target = setup[:2]
     return Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=max_batch),
-                  jnp.float32, draft=make_draft(setup, draft), sched=SchedulerOptions(handover=handover))
+                  jnp.float32, draft=make_draft(setup, draft), sched=SchedulerOptions(handover=handover, unread=unread))
 
 
 def _requests(prompts, params):
@@ -105,7 +107,7 @@ def test_penalties_logprobs_and_ngram_branch(setup):
     d = Draft(other, other_cfg, DraftInfo("draft"), SpecConfig(method="draft", num_steps=3, topk=2,
                                                                num_draft_tokens=6, ngram_branch=2))
     eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=1),
-                 jnp.float32, draft=d, sched=SchedulerOptions(handover=True))
+                 jnp.float32, draft=d, sched=SchedulerOptions(handover=True, unread=1))
     reqs = _requests(prompts, params)
     eng.run(reqs)
     _assert_clean(eng)
@@ -183,7 +185,7 @@ def test_handover_with_tiers_is_refused(setup):
     d = Draft(other, other_cfg, DraftInfo("draft"), tiers.specs[-1], tiers)
     with pytest.raises(ValueError, match="handover"):
         Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=2),
-               jnp.float32, draft=d, sched=SchedulerOptions(handover=True))
+               jnp.float32, draft=d, sched=SchedulerOptions(handover=True, unread=1))
 
 
 def test_plain_engine_has_no_spare_slots(setup):
@@ -198,7 +200,7 @@ def test_tight_cache_preempts_parked_requests(setup):
     want = _run(_engine(setup, None), prompts)
     d = _engine(setup, "other").draft
     eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, num_pages=18), BatchOptions(max_batch=1),
-                 jnp.float32, draft=d, sched=SchedulerOptions(handover=True))
+                 jnp.float32, draft=d, sched=SchedulerOptions(handover=True, unread=1))
     assert _run(eng, prompts) == want
     assert eng.num_preempted > 0
 
@@ -209,7 +211,7 @@ def test_successors_without_pages_wait(setup):
     cfg, target, _, _, prompts = setup
     want = _run(_engine(setup, None), prompts)
     eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ, num_pages=20), BatchOptions(max_batch=1),
-                 jnp.float32, draft=_engine(setup, "other").draft, sched=SchedulerOptions(handover=True))
+                 jnp.float32, draft=_engine(setup, "other").draft, sched=SchedulerOptions(handover=True, unread=1))
     assert _run(eng, prompts) == want
     assert eng.stats()["handover_no_pages"] > 0
 
@@ -236,7 +238,7 @@ def test_dispatch_without_handover_takes_its_rows_flags(setup):
     cfg, target = setup[:2]
     eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ),
                  BatchOptions(max_batch=2, speculate_below=2), jnp.float32, draft=make_draft(setup, "other"),
-                 sched=SchedulerOptions(handover=True))
+                 sched=SchedulerOptions(handover=True, unread=1))
     calls, decode_call = [], eng._decode_call
 
     def watched(kind, K, rows, slots, active, mask, drafts, flags, succ=None):
@@ -279,3 +281,37 @@ def test_two_dispatches_unread(setup, draft, handover):
     assert _run(eng, prompts, params) == _run(_engine(setup, None), prompts, params)
     assert max(unread) == 2
     assert _run(eng, prompts, sampled) == _run(make(1), prompts, sampled)
+
+
+def test_default_is_handover_with_two_unread_for_one_row(setup):
+    """SchedulerOptions() leaves hand-over and unread to the engine: on (and two dispatches unread) for a
+    speculative engine of one row; off (one unread) with more rows, without a draft, in the synchronous
+    loop or with tree tiers; an explicit choice holds. The default engine's greedy tokens equal plain's."""
+    cfg, target, _, _, prompts = setup
+
+    def make(draft="other", max_batch=1, **opts):
+        return Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=max_batch),
+                      jnp.float32, draft=make_draft(setup, draft) if draft else None, sched=SchedulerOptions(**opts))
+
+    def mode(eng):
+        return eng.handover, eng.opts.handover, eng.opts.unread
+    eng = make()
+    assert mode(eng) == (True, True, 2) and eng.num_slots == 2
+    assert _run(eng, prompts) == _run(_engine(setup, None), prompts)
+    assert eng.handed_over > 0 and eng.admitted_ahead == 0
+    assert mode(make(max_batch=2)) == (False, False, 1)
+    assert mode(make(draft=None)) == (False, False, 1)
+    assert mode(make(async_loop=False)) == (False, False, 1)
+    assert mode(make(handover=False)) == (False, False, 1)
+    assert mode(make(unread=1)) == (True, True, 1)
+    assert mode(make(max_batch=2, handover=True)) == (True, True, 2)
+    other_cfg, other = setup[2:4]
+    tiers = SpecTiers.of([(1, SpecConfig(method="draft", num_steps=3, topk=2, num_draft_tokens=6)),
+                          (2, SpecConfig(method="draft", num_steps=2))])
+    tiered = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=1), jnp.float32,
+                    draft=Draft(other, other_cfg, DraftInfo("draft"), tiers.specs[-1], tiers))
+    assert mode(tiered) == (False, False, 1)
+    with pytest.raises(ValueError, match="handover must be True, False or None"):
+        SchedulerOptions(handover=1)
+    with pytest.raises(ValueError, match="unread must be an int >= 1 or None"):
+        SchedulerOptions(unread=0)

@@ -11,6 +11,7 @@ from specjax.drafter import DraftInfo
 from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
 from specjax.request import Request
 from specjax.sampling_params import SamplingParams
+from specjax.scheduler import SchedulerOptions
 from specjax.tree import SpecConfig
 
 MAX_SEQ = 64
@@ -110,7 +111,8 @@ def test_hold_back_near_max_tokens(setup, monkeypatch, hold):
         if not hold_back:  # no estimate: neither the hold-back nor admission ahead on a guess
             monkeypatch.setattr(Engine, "_expected_done", lambda self, slot, req: False)
         eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=1),
-                     jnp.float32, draft=_draft(target, cfg, 3))
+                     jnp.float32, draft=_draft(target, cfg, 3),
+                     sched=SchedulerOptions(handover=False, unread=1))  # (hand-over runs no step past the end)
         got = _run(eng, short, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         st = eng.stats()
