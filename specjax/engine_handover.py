@@ -29,6 +29,15 @@ from specjax import programs as prog
 class HandOver:
     """Engine's row hand-over (module doc)."""
 
+    @property
+    def opts(self):
+        """The engine's SchedulerOptions, hand-over and unread decided (SchedulerOptions.resolve_boundary)."""
+        return self._opts
+
+    @opts.setter
+    def opts(self, sched) -> None:  # (tests swap the options of an engine they reuse)
+        self._opts = sched.resolve_boundary(*self._boundary)
+
     def _handover_slots(self, max_batch: int, draft) -> int:
         """Slots of the engine: max_batch, twice that with hand-over (a speculative engine only)."""
         if not self.opts.handover or draft is None:
