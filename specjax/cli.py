@@ -244,7 +244,7 @@ def add_model_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--unread", type=positive_int, default=None, metavar="N",
                    help="decode dispatches the host leaves unread after a step: 1 reads one behind, 2 two "
                         "behind (a request boundary's host work then runs over two dispatches of device work); "
-                        "default: 2 with hand-over, else 1")
+                        "default: 2 with hand-over at --max-batch 1, else 1")
 
 
 def check_model_arguments(a) -> None:

@@ -57,7 +57,9 @@ class SetupChoices:
                     + ("" if self.draft.tiers is None else
                        " for the largest batches; by rows: " + describe_tiers(self.draft.tiers))
                     + f", lookahead {self.lookahead}; up to "
-                    f"{b.spec_steps_per_call} steps per dispatch; {lite})")
+                    f"{b.spec_steps_per_call} steps per dispatch; {lite}; "
+                    + ("row hand-over (a spare slot per row)" if self.handover else "admission ahead")
+                    + f", the host {self.opts.unread} dispatch(es) behind)")
         return (f"{mode}; {b.max_batch} slots of {self.sched.capacity} cache entries (max_seq_len {c.max_seq_len}), "
                 f"{num_pages} pages of {c.page_size}, {jnp.dtype(dtype).name}, prefix cache "
                 f"{'on' if c.prefix_cache else 'off'}, prefill chunks of {self.sched.chunk} tokens; "

@@ -145,7 +145,7 @@ def run_eval(sets: dict[str, list[str]], *, model=None, draft: str, num_steps: i
     step counts add up over them, τ and the outputs are the last run's (greedy: the same tokens).
     handover: the speculative engine's row hand-over (SchedulerOptions.handover, specjax.engine_handover;
     None: the engine's default, on at max_batch 1); unread: its decode dispatches left unread after a step
-    (SchedulerOptions.unread; None: the default, 2 with hand-over). The settings record what ran.
+    (SchedulerOptions.unread; None: the default, 2 with hand-over at one row). The settings record what ran.
     spec_steps_per_call: its fused steps per dispatch (LLM(spec_steps_per_call=...); None: the default)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -338,7 +338,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "on at --max-batch 1)")
     p.add_argument("--unread", type=positive_int, default=None, metavar="N",
                    help="the speculative engine's decode dispatches left unread after a step: 1 reads one "
-                        "behind, 2 two behind (SchedulerOptions.unread; default: 2 with hand-over, else 1)")
+                        "behind, 2 two behind (SchedulerOptions.unread; default: 2 with hand-over at --max-batch 1, else 1)")
     p.add_argument("--spec-steps-per-call", type=positive_int, default=None, metavar="K",
                    help="fused speculative steps per dispatch of the speculative engine (default: the engine's, "
                         "as `specjax generate --spec-steps-per-call`)")

@@ -57,7 +57,8 @@ class SchedulerOptions:
     unread: int | None = None  # dispatches the host leaves unread after a step (async_loop): 1, the one just made
     #                  (the host reads one step behind); 2 also the one before it, so that a step's longer host work
     #                  (a request boundary's prefill) runs over two dispatches of queued device work (steps with
-    #                  host-grammar rows read every dispatch first, as before). None: 2 with hand-over, else 1
+    #                  host-grammar rows read every dispatch first, as before). None: 2 with hand-over for one
+    #                  row (max_batch 1, the case measured), else 1
     overlap: bool = True  # grammars: compute the masks while the target forward runs (plain and speculative)
     grammar_drafts: bool = True  # grammar + speculation with a draft model / head: draft the grammar's
     #                              continuations into the trees (specjax.grammar_drafts; the n-gram drafter
@@ -83,11 +84,12 @@ class SchedulerOptions:
         (no mesh) and without tree tiers, and then the host leaves two dispatches unread: on an H100
         (docs/benchmarks.md, session 43) the batch-1 probe ran 16 x 256 tokens in 1.33 s this way against
         1.48 s with hand-over alone and 1.62 s with neither, and the eval at batch 1 ran 2.98x plain.
-        Larger batches keep admission ahead (hand-over doubles the slots and was not measured there)."""
+        Larger batches keep admission ahead and one unread dispatch (hand-over doubles the slots there, and
+        neither was measured there), also where hand-over is asked for."""
         handover = self.handover
         if handover is None:
             handover = speculative and max_batch == 1 and self.async_loop and not tiers and not mesh
-        unread = self.unread if self.unread is not None else (2 if handover and speculative else 1)
+        unread = self.unread if self.unread is not None else (2 if handover and speculative and max_batch == 1 else 1)
         return dataclasses.replace(self, handover=handover, unread=unread)
 
 

@@ -286,7 +286,8 @@ def test_two_dispatches_unread(setup, draft, handover):
 def test_default_is_handover_with_two_unread_for_one_row(setup):
     """SchedulerOptions() leaves hand-over and unread to the engine: on (and two dispatches unread) for a
     speculative engine of one row; off (one unread) with more rows, without a draft, in the synchronous
-    loop or with tree tiers; an explicit choice holds. The default engine's greedy tokens equal plain's."""
+    loop or with tree tiers; an explicit choice holds; the info line says which. The default engine's greedy
+    tokens equal plain's."""
     cfg, target, _, _, prompts = setup
 
     def make(draft="other", max_batch=1, **opts):
@@ -297,14 +298,17 @@ def test_default_is_handover_with_two_unread_for_one_row(setup):
         return eng.handover, eng.opts.handover, eng.opts.unread
     eng = make()
     assert mode(eng) == (True, True, 2) and eng.num_slots == 2
+    assert "row hand-over (a spare slot per row), the host 2 dispatch(es) behind" in eng.info
     assert _run(eng, prompts) == _run(_engine(setup, None), prompts)
     assert eng.handed_over > 0 and eng.admitted_ahead == 0
-    assert mode(make(max_batch=2)) == (False, False, 1)
+    wide = make(max_batch=2)
+    assert mode(wide) == (False, False, 1) and "admission ahead, the host 1 dispatch(es) behind" in wide.info
     assert mode(make(draft=None)) == (False, False, 1)
     assert mode(make(async_loop=False)) == (False, False, 1)
     assert mode(make(handover=False)) == (False, False, 1)
     assert mode(make(unread=1)) == (True, True, 1)
-    assert mode(make(max_batch=2, handover=True)) == (True, True, 2)
+    assert mode(make(max_batch=2, handover=True)) == (True, True, 1)  # two unread: measured at one row only
+    assert mode(make(max_batch=2, handover=True, unread=2)) == (True, True, 2)
     other_cfg, other = setup[2:4]
     tiers = SpecTiers.of([(1, SpecConfig(method="draft", num_steps=3, topk=2, num_draft_tokens=6)),
                           (2, SpecConfig(method="draft", num_steps=2))])
