@@ -21,9 +21,32 @@ their dispatches take one step (grammar) or their own flags. Lite and lazy dispa
 without hand-over. Not with spec tiers. Part of Engine (a mixin over its fields)."""
 from __future__ import annotations
 
+import logging
+
+import jax
 import numpy as np
 
 from specjax import programs as prog
+
+
+log = logging.getLogger("specjax")
+
+
+def _backend() -> str:
+    return jax.default_backend()
+
+
+def one_slot_warning(num_slots: int, speculative: bool, backend: str) -> str | None:
+    """Why a speculative engine of one slot is not trusted on a GPU, or None. Measured on an H100 (jax
+    0.11.2, session 44, docs/benchmarks.md "One slot without hand-over"): in float32 its greedy tokens
+    differed from plain decoding's from the second token on (the CPU, two slots, and hand-over's spare
+    slot gave plain's tokens); the cause is not found."""
+    if not speculative or num_slots != 1 or backend != "gpu":
+        return None
+    return ("a speculative engine of one slot (max_batch 1 without row hand-over) did not reproduce plain greedy "
+            "decoding on an H100 (a known, open defect; see docs/benchmarks.md \"One slot without hand-over\"): "
+            "keep row hand-over on (the default of an async engine of one row, on one device, without spec tiers) "
+            "or use max_batch >= 2")
 
 
 class HandOver:
@@ -41,6 +64,9 @@ class HandOver:
     def _handover_slots(self, max_batch: int, draft) -> int:
         """Slots of the engine: max_batch, twice that with hand-over (a speculative engine only)."""
         if not self.opts.handover or draft is None:
+            warning = one_slot_warning(max_batch, draft is not None, _backend())
+            if warning:
+                log.warning(warning)
             return max_batch
         if draft.tiers is not None:
             raise ValueError("SchedulerOptions(handover=True) does not combine with tree tiers (spec_tiers): "

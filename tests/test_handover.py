@@ -319,3 +319,26 @@ def test_default_is_handover_with_two_unread_for_one_row(setup):
         SchedulerOptions(handover=1)
     with pytest.raises(ValueError, match="unread must be an int >= 1 or None"):
         SchedulerOptions(unread=0)
+
+
+def test_one_slot_speculative_engine_warns_on_gpu(setup, caplog, monkeypatch):
+    """A speculative engine of one slot (max_batch 1, hand-over off) logs why it is not trusted on a GPU
+    (measured: not plain's greedy tokens on an H100); two slots, hand-over's spare slot, plain decoding
+    and the CPU do not."""
+    from specjax import engine_handover as eh
+    assert "max_batch >= 2" in eh.one_slot_warning(1, True, "gpu")
+    assert eh.one_slot_warning(2, True, "gpu") is None
+    assert eh.one_slot_warning(1, False, "gpu") is None
+    assert eh.one_slot_warning(1, True, "cpu") is None
+    cfg, target = setup[0], setup[1]
+
+    def make(max_batch=1, **opts):
+        return Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=max_batch),
+                      jnp.float32, draft=make_draft(setup, "other"), sched=SchedulerOptions(**opts))
+    monkeypatch.setattr(eh, "_backend", lambda: "gpu")
+    with caplog.at_level("WARNING", logger="specjax"):
+        make()  # hand-over: two slots
+        make(max_batch=2, handover=False)
+        assert "did not reproduce plain greedy" not in caplog.text
+        make(handover=False)
+    assert "did not reproduce plain greedy" in caplog.text
