@@ -13,7 +13,7 @@ Variants (batch 1 unless named):
   old_nobranch  old with the tree 7/4/24 without its n-gram branch
   old_chain     old with a chain of 4
 --trace: the synchronous loop, and after every prefill and fused program call the slots' seq_lens,
-draft_seq_lens, done, tree tokens [:, :8] and the call's tokens (compare a GPU's trace with the CPU's).
+draft_seq_lens, done, tree tokens / parents / depths [:, :8], page table [:, :4] and the call's tokens (compare a GPU's trace with the CPU's).
 Session 44 found `old` not lossless on an H100 in float32 (docs/benchmarks.md, "One slot without hand-over").
 """
 from __future__ import annotations
@@ -57,7 +57,9 @@ def trace_programs(eng, log: list) -> None:
         def get(a):
             return None if a is None else np.asarray(jax.device_get(a)).tolist()
         rec = {"call": tag, "seq_lens": get(state.cache.seq_lens), "draft_seq_lens": get(state.draft_seq_lens),
-               "done": get(state.done), "tree": get(state.tree_tokens[:, :8]), "tokens": get(out.tokens)}
+               "done": get(state.done), "tree": get(state.tree_tokens[:, :8]),
+               "parents": get(state.tree_parents[:, :8]), "depth": get(state.tree_depth[:, :8]),
+               "pages": get(state.cache.page_table[:, :4]), "tokens": get(out.tokens)}
         log.append(rec)
         print("TRACE", json.dumps(rec), flush=True)
 
