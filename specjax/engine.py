@@ -108,11 +108,9 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
         compile_cache.enable()
         self.cfg = cfg
         self.cache_opts, self.batch_opts = cache_opts, batch_opts
-        self._boundary = (draft is not None, batch_opts.max_batch, draft is not None and draft.tiers is not None,
-                          mesh is not None)  # what decides hand-over and unread by default (HandOver.opts)
-        self.opts = sched or SchedulerOptions()
         self.draft = draft
         self.mesh = mesh
+        self.opts = sched or SchedulerOptions()  # hand-over and unread decided from the fields above (HandOver.opts)
         self._grammar = grammar
         rules = None
         if mesh is not None:

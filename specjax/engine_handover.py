@@ -59,7 +59,9 @@ class HandOver:
 
     @opts.setter
     def opts(self, sched) -> None:  # (tests swap the options of an engine they reuse)
-        self._opts = sched.resolve_boundary(*self._boundary)
+        d = self.draft
+        tiers = d is not None and d.tiers is not None
+        self._opts = sched.resolve_boundary(d is not None, self.batch_opts.max_batch, tiers, self.mesh is not None)
 
     def _handover_slots(self, max_batch: int, draft) -> int:
         """Slots of the engine: max_batch, twice that with hand-over (a speculative engine only)."""

@@ -71,10 +71,13 @@ class SchedulerOptions:
     dfa_max_classes: int = 256  # 512 KiB); JSON schemas need ~15 states per string field (bench_engine's: 164)
 
     def __post_init__(self):
-        for name in ("dfa_max_states", "dfa_max_classes", "unread"):
-            v = getattr(self, name)
-            if (v is not None or name != "unread") and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be an int >= 1{' or None' if name == 'unread' else ''}, got {v!r}")
+        def positive(v):
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        for name in ("dfa_max_states", "dfa_max_classes"):
+            if not positive(getattr(self, name)):
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.unread is not None and not positive(self.unread):
+            raise ValueError(f"unread must be an int >= 1 or None, got {self.unread!r}")
         if self.handover is not None and not isinstance(self.handover, bool):
             raise ValueError(f"handover must be True, False or None (automatic), got {self.handover!r}")
 
