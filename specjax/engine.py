@@ -67,7 +67,7 @@ from specjax.engine_catchup import CatchUpSteps
 from specjax.engine_dfa import DFASteps
 from specjax.engine_options import BatchOptions, CacheOptions, Draft, StepUpdate, check_speculate_below
 from specjax.engine_grammar import GrammarSteps
-from specjax.engine_handover import HandOver
+from specjax.engine_handover import HandOver, device_slots
 from specjax.engine_prefill import PrefillSteps
 from specjax.engine_results import ResultSteps, _Dispatched
 from specjax.engine_setup import SetupChoices
@@ -138,6 +138,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
             tail = self.lookahead
         # slots: one per row, and with row hand-over a spare one per row for the next request (engine_handover)
         self.num_slots = S = self._handover_slots(batch_opts.max_batch, draft)
+        self.device_slots = D = device_slots(S, draft is not None)  # of the device state (engine_handover)
         pages_per_slot = slot_pages(cache_opts.max_seq_len + tail, cache_opts.page_size)
         num_pages = cache_opts.num_pages or S * pages_per_slot + 1
         self.sched = Scheduler(num_pages=num_pages, page_size=cache_opts.page_size, max_seq_len=cache_opts.max_seq_len,
@@ -160,18 +161,18 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
 
         def make_state():
             cache = init_cache(cfg, num_pages=num_pages, page_size=cache_opts.page_size,
-                               max_slots=S, max_seq_len=slot_len, dtype=dtype)
+                               max_slots=D, max_seq_len=slot_len, dtype=dtype)
             if draft is None:
                 from specjax.decode import DecodeState
                 return DecodeState(cache, jnp.zeros((S,), jnp.int32))
             from specjax.step import init_spec_state
             dkv = [] if draft.kv_cfg is None else init_cache(
-                draft.kv_cfg, num_pages=num_pages, page_size=cache_opts.page_size, max_slots=S,
+                draft.kv_cfg, num_pages=num_pages, page_size=cache_opts.page_size, max_slots=D,
                 max_seq_len=slot_len, dtype=dtype).kv
             return init_spec_state(cache, dkv, draft.spec, cfg.vocab_size,
                                    tiers=() if draft.tiers is None else draft.tiers.specs)
 
-        self.samp: SamplingArrays = prog.init_samp(S)  # per slot, on the device
+        self.samp: SamplingArrays = prog.init_samp(D)  # per slot, on the device
         if mesh is None:  # committed, as the programs' outputs are: later calls hit the same executables
             self.state, self.samp = self._commit((make_state(), self.samp))
         else:

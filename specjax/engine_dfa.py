@@ -119,7 +119,7 @@ class DFASteps:
         if t is None:
             if not any(r.dfa is not None for _, r in group):
                 return None if self.state.dfa is None else tuple(self.state.dfa.next.shape[1:])
-            t = self._commit(dfa_lib.init_tables(self.num_slots, self.cfg.vocab_size, *limits))
+            t = self._commit(dfa_lib.init_tables(self.device_slots, self.cfg.vocab_size, *limits))
             self.state = dataclasses.replace(self.state, dfa=t)
         return tuple(t.next.shape[1:])
 

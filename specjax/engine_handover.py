@@ -21,32 +21,19 @@ their dispatches take one step (grammar) or their own flags. Lite and lazy dispa
 without hand-over. Not with spec tiers. Part of Engine (a mixin over its fields)."""
 from __future__ import annotations
 
-import logging
-
-import jax
 import numpy as np
 
 from specjax import programs as prog
 
 
-log = logging.getLogger("specjax")
-
-
-def _backend() -> str:
-    return jax.default_backend()
-
-
-def one_slot_warning(num_slots: int, speculative: bool, backend: str) -> str | None:
-    """Why a speculative engine of one slot is not trusted on a GPU, or None. Measured on an H100 (jax
-    0.11.2, session 44, docs/benchmarks.md "One slot without hand-over"): in float32 its greedy tokens
-    differed from plain decoding's from the second token on (the CPU, two slots, and hand-over's spare
-    slot gave plain's tokens); the cause is not found."""
-    if not speculative or num_slots != 1 or backend != "gpu":
-        return None
-    return ("a speculative engine of one slot (max_batch 1 without row hand-over) did not reproduce plain greedy "
-            "decoding on an H100 (a known, open defect; see docs/benchmarks.md \"One slot without hand-over\"): "
-            "keep row hand-over on (the default of an async engine of one row, on one device, without spec tiers) "
-            "or use max_batch >= 2")
+def device_slots(num_slots: int, speculative: bool) -> int:
+    """Slots of a speculative engine's device state: at least two. With one slot (max_batch 1 without
+    hand-over), XLA on the GPU (jax 0.11.2; an H100 and an H200, sessions 44-45, docs/benchmarks.md "One
+    slot without hand-over") compiled the fused loop of K > 1 steps wrong: its first step already gave
+    other tokens than plain greedy decoding, while the same state replayed through one step (K = 1), or
+    padded to two slots, gave plain's. The spare slot is never a row's (padding rows read it, their
+    writes are dropped); it costs a row of the slot arrays, no KV pages."""
+    return max(num_slots, 2) if speculative else num_slots
 
 
 class HandOver:
@@ -66,9 +53,6 @@ class HandOver:
     def _handover_slots(self, max_batch: int, draft) -> int:
         """Slots of the engine: max_batch, twice that with hand-over (a speculative engine only)."""
         if not self.opts.handover or draft is None:
-            warning = one_slot_warning(max_batch, draft is not None, _backend())
-            if warning:
-                log.warning(warning)
             return max_batch
         if draft.tiers is not None:
             raise ValueError("SchedulerOptions(handover=True) does not combine with tree tiers (spec_tiers): "

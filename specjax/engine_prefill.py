@@ -103,7 +103,7 @@ class PrefillSteps:
             if not any(r.params.has_penalties for _, r in group):
                 return None
             self.state = dataclasses.replace(self.state, penalties=self._commit(penalties.init_penalty_state(
-                self.num_slots, self.cfg.vocab_size)))
+                self.device_slots, self.cfg.vocab_size)))
         pad = [None] * (B - len(group))
         return penalties.penalty_params([r.params for _, r in group] + pad,
                                         [len(r.prompt_ids) for _, r in group] + [0] * len(pad))

@@ -1,5 +1,5 @@
-"""scripts/check_lossless.py on the CPU: its spare-slot variant and its program trace leave greedy tokens equal
-to plain decoding's; the trace records the slot state after each program call (the GPU is where it is needed)."""
+"""scripts/check_lossless.py on the CPU: its one-device-slot variant and its program trace leave greedy tokens
+equal to plain decoding's; the trace records the slot state after each program call (the GPU is where it is needed)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -39,19 +39,19 @@ def test_first_diffs():
     assert mod.first_diffs([[1, 2, 3], [4, 5], [6, 7]], [[1, 2, 3], [4, 9], [6, 7, 8]]) == [None, 1, 2]
 
 
-def test_spare_slots_and_trace_keep_plain_tokens():
+def test_one_device_slot_and_trace_keep_plain_tokens():
     mod = load_script("check_lossless")
     plain = _run(_engine(spec=False))
-    with mod.spare_slots():
-        spare = _engine()
-    assert spare.state.cache.seq_lens.shape == (2,) and spare.num_slots == 1 and not spare.handover
-    assert _engine().state.cache.seq_lens.shape == (1,)  # restored after the block
-    assert _run(spare) == plain
+    with mod.one_device_slot():
+        one = _engine()
+    assert one.state.cache.seq_lens.shape == (1,) and one.num_slots == 1 and not one.handover
+    assert _engine().state.cache.seq_lens.shape == (2,)  # the spare device slot again after the block
+    assert _run(one) == plain
     eng, log = _engine(async_loop=False), []
     mod.trace_programs(eng, log)
     assert _run(eng) == plain
     prefills = [r for r in log if r["call"] == "prefill"]
-    assert [p["seq_lens"] for p in prefills] == [[n] for n in LENS]  # the prompt's K/V after each prefill
+    assert [p["seq_lens"][0] for p in prefills] == list(LENS)  # the prompt's K/V after each prefill
     assert [p["tokens"] for p in prefills] == [[t[0]] for t in plain]
     assert any(r["call"].startswith("step K=") for r in log) and all(len(r["tree"][0]) <= 8 for r in log)
 
