@@ -23,6 +23,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def models(hidden: int, layers: int, vocab: int):
@@ -49,38 +50,21 @@ def models(hidden: int, layers: int, vocab: int):
     return tc, model(tc, 0), dc, model(dc, 5)
 
 
-@contextlib.contextmanager
-def device_slots_exact():
-    """Engines built inside hold device state for their scheduler's slots only (one for one row)."""
-    import specjax.engine as eng_mod
-    keep = eng_mod.device_slots
-    eng_mod.device_slots = lambda num_slots, speculative: num_slots
-    try:
-        yield
-    finally:
-        eng_mod.device_slots = keep
-
-
 def run(eng, prompts, max_tokens: int) -> list[list[int]]:
     from specjax.request import Request
     from specjax.sampling_params import SamplingParams
     vocab = int(eng.cfg.vocab_size)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    reqs = [Request(i, None, p, sp, _Ids(), (vocab - 1,), 256, 0) for i, p in enumerate(prompts)]
+    reqs = [Request(i, None, p, sp, _NoText(), (vocab - 1,), 256, 0) for i, p in enumerate(prompts)]
     eng.run(reqs)
     return [list(map(int, r.output().token_ids)) for r in reqs]
 
 
-class _Ids:
-    """Token i <-> "<i>" (the engine detokenizes its outputs)."""
-    eos_token_id = None
-    chat_template = None
-
-    def encode(self, text, add_special_tokens=False):
-        return [int(t) for t in text.replace("<", " ").replace(">", " ").split()]
+class _NoText:
+    """The requests' tokenizer: their text is never read."""
 
     def decode(self, ids, skip_special_tokens=True):
-        return "".join(f"<{i}>" for i in ids)
+        return ""
 
 
 def main(argv=None) -> dict:
@@ -98,6 +82,7 @@ def main(argv=None) -> dict:
     from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
     from specjax.scheduler import SchedulerOptions
     from specjax.tree import SpecConfig
+    from check_lossless import one_device_slot
     try:
         depth, topk, ntok = (int(x) for x in a.tree.split("/"))
     except ValueError:
@@ -111,7 +96,7 @@ def main(argv=None) -> dict:
     spec = SpecConfig(method="draft", num_steps=depth, topk=topk, num_draft_tokens=ntok if topk > 1 else None)
     res = {"backend": jax.default_backend(), "args": vars(a), "plain": want, "states": {}}
     for exact in (True, False):
-        with device_slots_exact() if exact else contextlib.nullcontext():
+        with one_device_slot() if exact else contextlib.nullcontext():
             eng = Engine(target, cfg, cache, batch, jnp.float32, draft=Draft(dmodel, dcfg, DraftInfo("draft"), spec),
                          sched=SchedulerOptions(handover=False, unread=1))
         slots = int(eng.state.cache.seq_lens.shape[0])
