@@ -606,3 +606,21 @@ def test_handover_with_constrained_rows(world):
     check_regex_outputs(got, constraints)
     assert eng.handed_over > 0
     assert not eng.sched.queue and eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1
+
+
+def test_one_row_without_handover_under_constraints(world):
+    """A speculative engine of one row without hand-over (one scheduler slot, two device slots:
+    engine_handover.device_slots) runs DFA, host-grammar and unconstrained requests one after another:
+    the DFA tables have the device's slot count, outputs equal the batch-4 engine's (greedy), every
+    regex output is allowed, nothing leaks."""
+    cfg, target, _, _, compiler, prompts, _ = world
+    want = outputs(run(engine(world, "tree", SchedulerOptions()), prompts, MIXED))
+    d = engine(world, "tree", SchedulerOptions()).draft
+    eng = Engine(target, cfg, CacheOptions(page_size=4, max_seq_len=MAX_SEQ), BatchOptions(max_batch=1),
+                 jnp.float32, draft=d, grammar=compiler, sched=SchedulerOptions(handover=False))
+    assert (eng.num_slots, eng.device_slots) == (1, 2)
+    got = run(eng, prompts, MIXED)
+    assert outputs(got) == want
+    check_regex_outputs(got, MIXED)
+    assert eng.state.dfa is not None and eng.state.dfa.next.shape[0] == 2
+    assert not eng.sched.queue and eng.alloc.num_free == int(eng.state.cache.kv[0].shape[0]) - 1
