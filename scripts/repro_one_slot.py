@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
     from specjax.engine import BatchOptions, CacheOptions, Draft, Engine
     from specjax.scheduler import SchedulerOptions
     from specjax.tree import SpecConfig
-    from check_lossless import one_device_slot
+    from check_lossless import first_diffs, one_device_slot
     try:
         depth, topk, ntok = (int(x) for x in a.tree.split("/"))
     except ValueError:
@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
                          sched=SchedulerOptions(handover=False, unread=1))
         slots = int(eng.state.cache.seq_lens.shape[0])
         got = run(eng, prompts, a.max_tokens)
-        diffs = [next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), None) for g, w in zip(got, want)]
+        diffs = first_diffs(got, want)
         print(f"RESULT slots {slots} match {got == want} first_diff {diffs}", flush=True)
         res["states"][slots] = {"tokens": got, "match": got == want, "first_diff": diffs}
     if a.json:

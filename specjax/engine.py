@@ -164,7 +164,7 @@ class Engine(SetupChoices, PrefillSteps, ResultSteps, GrammarSteps, DFASteps, Ad
                                max_slots=D, max_seq_len=slot_len, dtype=dtype)
             if draft is None:
                 from specjax.decode import DecodeState
-                return DecodeState(cache, jnp.zeros((S,), jnp.int32))
+                return DecodeState(cache, jnp.zeros((D,), jnp.int32))
             from specjax.step import init_spec_state
             dkv = [] if draft.kv_cfg is None else init_cache(
                 draft.kv_cfg, num_pages=num_pages, page_size=cache_opts.page_size, max_slots=D,

@@ -1,5 +1,8 @@
 """Session 45: bisect the one-slot engine's defect on a GPU (float32).
 
+Archived as run: it needs scripts/check_lossless.py of 039e047 (variant "old_spare"; since 9550203 every
+speculative engine has two device slots, so "old" no longer has one). Run it from a checkout of 039e047.
+
 Runs the `old` engine (one slot, synchronous) on one prompt, capturing the state after the first prefill
 and the first fused dispatch's arguments; then replays that first dispatch in several ways:
   fused K=4 / K=1 (the engine's program), progs.verify (argmax at each node), jit(spec_step), eager
