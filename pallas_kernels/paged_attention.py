@@ -192,7 +192,9 @@ def block_bounds(q_start, kv_len, mask_start, g: Geometry):
     m = q_start if mask_start is None else mask_start.astype(jnp.int32)
     kend = jnp.clip(kv_len.astype(jnp.int32), 0, g.capacity)
     diag = jnp.full_like(kend, g.capacity)
-    return jnp.stack([kend, diag, q_start, m], axis=1)
+    qpos = q_start if g.window is not None else m  # read only with a window: calls that differ only in
+    # q_start (the levels of a draft tree) share one bounds array (one kernel on a GPU instead of one each)
+    return jnp.stack([kend, diag, qpos, m], axis=1)
 
 
 def pack_block_rows(block_mask, g: Geometry):

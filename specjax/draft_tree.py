@@ -14,6 +14,8 @@ reads as its block mask.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -107,6 +109,13 @@ def force_level(spec, s, forced, tok, sc, q):
     return tok, sc, q
 
 
+def take(x, idx):
+    """x [B, F, ...] at idx [B, k(, 1...)] along axis 1. The indices of a tree's growth (frontier picks,
+    parents) are in range by construction: clipped, not jnp's default fill, whose bounds checks and fills
+    were kernels of their own on a GPU (SmolLM2's fused step: 7 fewer, scripts/count_step_kernels.py)."""
+    return jnp.take_along_axis(x, idx, axis=1, mode="clip")
+
+
 def grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logits_last, samp,
          sample_drafts, pen_rows=None, forced=None, dfa=None, topk_impl: str = "xla"):
     """Grow the next tree from the draft's output at the root (h_last [B, E], logits_last [B, Vd]).
@@ -140,6 +149,7 @@ def grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logits
     path = jnp.zeros((B, 1, 0), jnp.int32)  # target tokens below the root on the frontier's paths
     st_tok, st_score, st_par, qs = [], [], [], []
     fr = jnp.zeros((B, 1), jnp.int32)  # frontier: indices into the previous step's candidates
+    kv_end = jnp.where(act > 0, Ld + W, 0)  # [B] the draft cache's end after the last level (rows that draft)
     for s in range(S):
         if fused:
             tok, sc, local = tree_lib.expand_top(score, *lp)  # [B, F*k] draft ids, scores, frontier idx
@@ -153,32 +163,36 @@ def grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logits
         if forced is not None:
             tok, sc, q = force_level(spec, s, forced, tok, sc, q)
         if dfa is not None:  # [B, F*k] the candidates' states
-            cstate = dfa_lib.step_states(dv, jnp.take_along_axis(fstate, local, axis=1), tok)
+            cstate = dfa_lib.step_states(dv, take(fstate, local), tok)
         if spec.is_chain:
             qs.append(q)
         st_tok.append(tok)
         st_score.append(sc)
-        st_par.append(jnp.take_along_axis(fr, local, axis=1) if s else jnp.full_like(local, -1))
+        st_par.append(take(fr, local) if s else jnp.full_like(local, -1))
         if s == S - 1:
             break
         # feed the k best candidates (depth s + 1) as scratch entries Ld + s*k + f
         fr = tree_lib.frontier(sc, k, topk_impl)  # [B, k]
-        parent = jnp.take_along_axis(local, fr, axis=1)  # [B, k] index into the previous frontier
+        parent = take(local, fr)  # [B, k] index into the previous frontier
         own = jax.nn.one_hot(s * k + jnp.arange(k), W, dtype=bool)[None]  # [1, k, W]
-        anc = jnp.take_along_axis(anc, parent[:, :, None], axis=1) | own  # [B, k, W]
-        feat = jnp.take_along_axis(feat, parent[:, :, None], axis=1)  # [B, k, E]
-        ftok = jnp.take_along_axis(tok, fr, axis=1)  # [B, k]
-        path = jnp.concatenate([jnp.take_along_axis(path, parent[:, :, None], axis=1), ftok[:, :, None]], axis=2)
-        score = jnp.take_along_axis(sc, fr, axis=1)
+        anc = take(anc, parent[:, :, None]) | own  # [B, k, W]
+        feat = take(feat, parent[:, :, None])  # [B, k, E]
+        ftok = take(tok, fr)  # [B, k]
+        path = jnp.concatenate([take(path, parent[:, :, None]), ftok[:, :, None]], axis=2)
+        score = take(sc, fr)
         pos = jnp.broadcast_to((L + s + 1 - info.shift)[:, None], (B, k))
-        meta = meta_at(pt, Ld + s * k, act * k, k, ps, block_mask=anc, mask_start=Ld)
+        # every level's keys end at the tree's last scratch entry (where a row drafts): the entries past this
+        # level's are no node's ancestors (their block-mask bits are 0), and the levels' attention bounds
+        # are then one array
+        meta = dataclasses.replace(meta_at(pt, Ld + s * k, act * k, k, ps, block_mask=anc, mask_start=Ld),
+                                   kv_len=kv_end)
         feat, kv = drafter.forward(info, draft, target, ftok, pos, feat, kv, pt, meta)  # [B, k, E]
         lg = drafter.logits(info, draft, target, feat)  # [B, k, Vd]
         if pen_rows is not None:
             lg = pen_lib.apply(lg, pen_rows, path)
         lp = level(lg)
         if dfa is not None:
-            fstate = jnp.take_along_axis(cstate, fr, axis=1)  # [B, k]
+            fstate = take(cstate, fr)  # [B, k]
             lp = mask_draft(info, lp, mv, fstate)
     if spec.is_chain:
         tree = tree_lib.chain_tree(root, jnp.concatenate(st_tok, axis=1))
