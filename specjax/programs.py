@@ -191,6 +191,25 @@ def _finished(out, seq_lens, stop: StopRows):
     return jnp.any(hit.any(-1) & emitted, axis=1) | (seq_lens >= stop.limit)
 
 
+def _stacked(out: step_lib.SpecOut) -> step_lib.SpecOut:
+    """What a fused loop stacks per step (each stacked array is a kernel per step on a GPU): the tokens,
+    with the slot each row ran as a last column (row hand-over); num_accepted and accept_hist are
+    rebuilt from the tokens after the loop (`_unstacked`)."""
+    toks = out.tokens if out.slot is None else jnp.concatenate([out.tokens, out.slot[:, None]], axis=1)
+    return dataclasses.replace(out, tokens=toks, num_accepted=None, accept_hist=None, slot=None)
+
+
+def _unstacked(outs: step_lib.SpecOut, slot: bool) -> step_lib.SpecOut:
+    """_stacked's [K, B, ...] outputs -> the steps' own. A fused step emits num_accepted tokens (>= 0) in
+    each active row, then -1, and only -1 in inactive rows (num_accepted 0): num_accepted is the count of
+    tokens >= 0, and accept_hist [K, width + 1] counts the active rows by it."""
+    toks, cur = (outs.tokens[..., :-1], outs.tokens[..., -1]) if slot else (outs.tokens, None)
+    n = jnp.sum(toks >= 0, axis=-1, dtype=jnp.int32)  # [K, B]
+    j = jnp.arange(toks.shape[-1] + 1, dtype=jnp.int32)
+    hist = jnp.sum((n[..., None] == j) & (j > 0), axis=1, dtype=jnp.int32)  # [K, width + 1]
+    return dataclasses.replace(outs, tokens=toks, num_accepted=n, accept_hist=hist, slot=cur)
+
+
 class SpecPrograms(NamedTuple):
     prefill: Callable  # (tw, dw, state, samp_all, rows: PrefillRows, samp, mask, drafts=None, *, ...)
     #                    -> (out, trees, state, samp_all)
@@ -265,23 +284,26 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
             rs = jnp.minimum(cur, S - 1)
             return act & (cur < S) & (state.cache.seq_lens[rs] < limit) & ~state.done[rs]
 
-        def body(carry, _):
-            state, act, cur, stop, pend = carry
-            act = live(state, act, cur, stop.limit)
+        def body(carry, _):  # ctl [4, B] int32: act, cur, the stop limit, pend as one carried array (each
+            # small array carried by the loop cost a copy kernel per step on a GPU: 6 -> 3 copies)
+            state, ctl, ids = carry
+            act, cur, pend = ctl[0] > 0, ctl[1], ctl[3] > 0
+            act = live(state, act, cur, ctl[2])
             take = ~act & pend & live(state, pend, succ.slots, succ.stop.limit)
             cur = jnp.where(take, succ.slots, cur)
-            stop = StopRows(jnp.where(take[:, None], succ.stop.ids, stop.ids), jnp.where(take, succ.stop.limit, stop.limit))
+            stop = StopRows(jnp.where(take[:, None], succ.stop.ids, ids), jnp.where(take, succ.stop.limit, ctl[2]))
             act, pend = act | take, pend & ~take
             out, state = bound(step_lib.spec_step, tw, dw, state, cur, act, _take_rows(samp_all, cur),
                                want_logprobs=want_logprobs, stochastic=stochastic, kernels=kernels, dfa=dfa)
             fin = act & _finished(out, state.cache.seq_lens[jnp.minimum(cur, S - 1)], stop)
             state = dataclasses.replace(state, done=state.done.at[cur].set(state.done[jnp.minimum(cur, S - 1)] | fin,
                                                                            mode="drop"))
-            return (state, act & ~fin, cur, stop, pend), dataclasses.replace(out, slot=cur)
+            ctl = jnp.stack([act & ~fin, cur, stop.limit, pend]).astype(jnp.int32)
+            return (state, ctl, stop.ids), _stacked(dataclasses.replace(out, slot=cur))
 
-        (state, _, cur, _, _), outs = jax.lax.scan(body, (state, active, slots, stop, succ.slots < S), None,
-                                                   length=num_steps)
-        return outs, _trees(state, cur), state
+        ctl = jnp.stack([active, slots, stop.limit, succ.slots < S]).astype(jnp.int32)
+        (state, ctl, _), outs = jax.lax.scan(body, (state, ctl, stop.ids), None, length=num_steps)
+        return _unstacked(outs, slot=True), _trees(state, ctl[1]), state
 
     def fused_steps(tw, dw, state, samp_all, slots, active, mask, stop, drafts, *, num_steps, want_logprobs,
                     stochastic, lite, lazy, dfa):
@@ -340,10 +362,10 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
         def body(carry, _):
             state, act = carry
             out, state, act = one(state, live(state, act))
-            return (state, act), out
+            return (state, act), _stacked(out)
 
         (state, _), outs = jax.lax.scan(body, (state, active), None, length=num_steps)
-        return outs, _trees(state, slots), state
+        return _unstacked(outs, slot=False), _trees(state, slots), state
 
     def verify(tw, state, slots, active):
         target = nnx.merge(target_graphdef, tunflat(tw))

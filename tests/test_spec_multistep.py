@@ -84,3 +84,32 @@ def test_k_steps_equal_one_step(setup):
     assert sorted(id(r) for r, _ in released) == sorted(id(r) for r in many)
     for r, length in released:
         assert length == len(r.prompt_ids) + sum(r.accept_lens), (r.id, length, r.accept_lens)
+
+
+def test_stacked_step_outputs_rebuild_counts_and_histogram():
+    """A multi-step program stacks only the tokens (and the slot each row ran) per step; num_accepted
+    and accept_hist rebuilt after the loop equal the step's own: tokens >= 0 counted, active rows
+    (num_accepted >= 1) histogrammed as SpecStep's `zeros.at[n].add(active)`."""
+    import jax
+
+    from specjax import programs
+    from specjax.step import SpecOut
+    rng = np.random.default_rng(4)
+    K, B, W = 5, 3, 6  # steps, rows, tokens per step (num_steps + 1)
+    steps = []
+    for _ in range(K):
+        n = rng.integers(0, W + 1, size=B).astype(np.int32)  # 0: an inactive row
+        toks = np.where(np.arange(W)[None, :] < n[:, None], rng.integers(0, 50, size=(B, W)), -1).astype(np.int32)
+        hist = np.zeros(W + 1, np.int32)
+        np.add.at(hist, n, (n > 0).astype(np.int32))
+        steps.append(SpecOut(tokens=jnp.asarray(toks), num_accepted=jnp.asarray(n), accept_hist=jnp.asarray(hist),
+                             slot=jnp.asarray(rng.integers(0, 8, size=B).astype(np.int32))))
+    for slot in (True, False):
+        outs = [s if slot else SpecOut(s.tokens, s.num_accepted, s.accept_hist) for s in steps]
+        stacked = jax.tree.map(lambda *x: jnp.stack(x), *[programs._stacked(o) for o in outs])
+        assert stacked.num_accepted is None and stacked.accept_hist is None and stacked.slot is None
+        got = programs._unstacked(stacked, slot=slot)
+        for name in ("tokens", "num_accepted", "accept_hist") + (("slot",) if slot else ()):
+            want = np.stack([np.asarray(getattr(o, name)) for o in outs])
+            np.testing.assert_array_equal(np.asarray(getattr(got, name)), want, err_msg=name)
+        assert got.slot is None if not slot else got.slot.shape == (K, B)
