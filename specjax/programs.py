@@ -284,26 +284,29 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
             rs = jnp.minimum(cur, S - 1)
             return act & (cur < S) & (state.cache.seq_lens[rs] < limit) & ~state.done[rs]
 
-        def body(carry, _):  # ctl [4, B] int32: act, cur, the stop limit, pend as one carried array (each
-            # small array carried by the loop cost a copy kernel per step on a GPU: 6 -> 3 copies)
-            state, ctl, ids = carry
-            act, cur, pend = ctl[0] > 0, ctl[1], ctl[3] > 0
-            act = live(state, act, cur, ctl[2])
+        def turn(state, act, cur, stop, pend):  # the rows of the next step: act [B] of the step before
+            act = live(state, act, cur, stop.limit)
             take = ~act & pend & live(state, pend, succ.slots, succ.stop.limit)
             cur = jnp.where(take, succ.slots, cur)
-            stop = StopRows(jnp.where(take[:, None], succ.stop.ids, ids), jnp.where(take, succ.stop.limit, ctl[2]))
-            act, pend = act | take, pend & ~take
+            stop = StopRows(jnp.where(take[:, None], succ.stop.ids, stop.ids), jnp.where(take, succ.stop.limit, stop.limit))
+            return jnp.stack([act | take, cur, stop.limit, pend & ~take]).astype(jnp.int32), stop.ids
+
+        def body(carry, _):  # ctl [4, B] int32: this step's act, cur, stop limit and pend, one carried array
+            # computed at the end of the step before (each small carried array, and each value read again
+            # after the state's update, cost a copy kernel per step on a GPU)
+            state, ctl, ids = carry
+            act, cur, stop, pend = ctl[0] > 0, ctl[1], StopRows(ids, ctl[2]), ctl[3] > 0
             out, state = bound(step_lib.spec_step, tw, dw, state, cur, act, _take_rows(samp_all, cur),
                                want_logprobs=want_logprobs, stochastic=stochastic, kernels=kernels, dfa=dfa)
             fin = act & _finished(out, state.cache.seq_lens[jnp.minimum(cur, S - 1)], stop)
             state = dataclasses.replace(state, done=state.done.at[cur].set(state.done[jnp.minimum(cur, S - 1)] | fin,
                                                                            mode="drop"))
-            ctl = jnp.stack([act & ~fin, cur, stop.limit, pend]).astype(jnp.int32)
-            return (state, ctl, stop.ids), _stacked(dataclasses.replace(out, slot=cur))
+            return (state, *turn(state, act & ~fin, cur, stop, pend)), _stacked(dataclasses.replace(out, slot=cur))
 
-        ctl = jnp.stack([active, slots, stop.limit, succ.slots < S]).astype(jnp.int32)
-        (state, ctl, _), outs = jax.lax.scan(body, (state, ctl, stop.ids), None, length=num_steps)
-        return _unstacked(outs, slot=True), _trees(state, ctl[1]), state
+        ctl, ids = turn(state, active, slots, stop, succ.slots < S)
+        (state, _, _), outs = jax.lax.scan(body, (state, ctl, ids), None, length=num_steps)
+        outs = _unstacked(outs, slot=True)
+        return outs, _trees(state, outs.slot[-1]), state
 
     def fused_steps(tw, dw, state, samp_all, slots, active, mask, stop, drafts, *, num_steps, want_logprobs,
                     stochastic, lite, lazy, dfa):
