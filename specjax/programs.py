@@ -362,12 +362,13 @@ def spec_programs(info, spec, target_graphdef, target_params, draft_graphdef, dr
             state = bound(step_lite.lite_draft_sync, tw, dw, state, slots, active, (outs, (h, aux)))
             return step_lite.widen_lite(outs, spec.num_steps + 1), _trees(state, slots), state
 
-        def body(carry, _):
+        def body(carry, _):  # act: this step's rows, found live at the end of the step before (a value read
+            # again after the state's update costs a copy kernel per step on a GPU)
             state, act = carry
-            out, state, act = one(state, live(state, act))
-            return (state, act), _stacked(out)
+            out, state, act = one(state, act)
+            return (state, live(state, act)), _stacked(out)
 
-        (state, _), outs = jax.lax.scan(body, (state, active), None, length=num_steps)
+        (state, _), outs = jax.lax.scan(body, (state, live(state, active)), None, length=num_steps)
         return _unstacked(outs, slot=False), _trees(state, slots), state
 
     def verify(tw, state, slots, active):
