@@ -269,6 +269,9 @@ def main(argv=None):
     if a.list:
         for instr, name in loop_body_kernels(texts[a.list], gpu):
             print(f"{instr[:36]:36s} {name[:140]}")
+    if gpu and "plain" in wanted:
+        print(f"note: plain decoding compiled with the Mosaic attention; an engine of {a.batch} row(s) on the GPU "
+              + ("runs cuDNN's (its lowering needs the cuDNN library, absent here)" if a.batch == 1 else "runs the same"))
     print(f"{a.shape}, batch {a.batch}, {a.target}: kernels per step " +
           ", ".join(f"{k} {sum(c.values())}" for k, c in counts.items()))
     names = sorted(set().union(*counts.values()))
