@@ -40,7 +40,7 @@ from pallas_kernels.mosaic_gpu import interpret_params, plgpu as _plgpu
 from pallas_kernels.paged_attention import (NEG, Geometry, block_bounds, combine, geometry, group_queries, key_range,
                                             pack_block_rows, run_paged, split_range, ungroup, visible, visible_block)
 
-__all__ = ["paged_attention_mosaic", "why_not_mosaic"]
+__all__ = ["paged_attention_mosaic", "paged_attention_write_mosaic", "why_not_mosaic", "why_not_write"]
 
 BLOCK_QS = (64, 128)  # wgmma M is 64; a warpgroup issues two of them for 128 rows
 MAX_SPLITS = 32
@@ -69,19 +69,27 @@ def _out_rows(g: Geometry) -> int:
     return g.Rp if g.num_q_blocks > 1 else -(-g.R // 8) * 8
 
 
-def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair: bool, bounds_ref, pt_ref, q_ref,
-          kv_ref, bits_ref, o_ref, lse_ref, scratch):
-    """bounds_ref [B, 4], pt_ref [B, P] int32, q_ref [B, Hkv, Rp, D], kv_ref [N, ps, 2, Hkv, D]
-    (GMEM); o_ref [B, Hkv, S, R', D] f32, lse_ref [B, Hkv, S, R'] f32 (GMEM; R' = _out_rows).
+def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair: bool, fresh: bool, bounds_ref,
+          pt_ref, q_ref, kv_ref, bits_ref, widx_ref, o_ref, lse_ref, scratch):
+    """bounds_ref [B, 4] (fresh: [B, 5]), pt_ref [B, P] int32, q_ref [B, Hkv, Rp, D] (fresh: the pack
+    [B, Hkv, Rp + 2 BK, D]), kv_ref [N, ps, 2, Hkv, D] (GMEM); o_ref [B, Hkv, S', R', D] f32, lse_ref
+    [B, Hkv, S', R'] f32 (GMEM; R' = _out_rows; S' = S, or S + 1 when fresh).
     W > 0: a block of W entries from bounds_ref[b, 3] on, masked per query row by bits_ref
     [B, ceil(W / 32), Rp] int32 (pack_block_rows); W = 0: bits_ref is None.
     pair: the CTA's two warpgroups take the two query blocks ("wg" = the block) over the same key
-    slabs, which warpgroup 0 loads once for both; a slot is refilled when both have read it."""
+    slabs, which warpgroup 0 loads once for both; a slot is refilled when both have read it.
+    fresh (`paged_attention_write_mosaic`): the W = T block entries are this call's own tokens, whose
+    K / V rows come in the pack (rows Rp.. and Rp + BK..), not from the pages: the S page splits read
+    keys below m only (bounds_ref[b, 0]), split S reads the fresh block as its one key block (keys m + c,
+    up to kv_len = bounds_ref[b, 4]), and its first query block's CTA also writes the rows to the pages
+    at widx_ref [B, T] (flat cache indices), which no CTA of this call reads unmasked."""
     plgpu = _plgpu()
     BQ, BK, ps = g.block_q, _block_kv(g.ps), g.ps
     ppb = BK // ps  # pages per key block
     b = lax.axis_index("row")
     h = lax.axis_index("head")
+    if fresh:
+        *scratch, kvw, w_bar = scratch
     if pair:
         q_all, *mid, lse_all, q_bars, k_bar, v_bar, free_bar, done_bar = scratch
         # on the GPU the f32 outputs reuse the key slabs' SMEM once both warpgroups are done with them
@@ -102,19 +110,44 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
     r0 = qb * BQ
     lo, hi = key_range((kend, diag, qpos), t_lo, t_hi, g.window)
     j0, j1 = split_range(lo, hi, BK, s, S)
+    jend = j1
+    if fresh:
+        own = s == S
+        j1 = jnp.where(own, j0, j1)  # the fresh split: no page block,
+        jend = j1 + own.astype(jnp.int32)  # and the fresh block as j = j0
+        kv_end, m_fresh = bounds_ref[b, 4], bounds_ref[b, 3]
 
-    def issue(j, slot):  # TMA the K and V slabs of key block j into `slot`
+    def issue_pages(j, slot):
         for i in range(ppb):
             page = pt_ref[b, jnp.minimum(j * ppb + i, g.P - 1)]
             rows = pl.ds(i * ps, ps)
             plgpu.copy_gmem_to_smem(kv_ref.at[page, :, 0, h], k_smem.at[slot, rows], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(kv_ref.at[page, :, 1, h], v_smem.at[slot, rows], v_bar.at[slot])
 
+    def issue(j, slot):  # TMA the K and V slabs of key block j into `slot`
+        if not fresh:
+            return issue_pages(j, slot)
+        pl.when(j < j1)(lambda: issue_pages(j, slot))
+
+        @pl.when(j >= j1)
+        def _():  # the fresh block from the pack, in the same ppb pieces (the barriers count ppb arrivals)
+            for i in range(ppb):
+                rows = pl.ds(i * ps, ps)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(g.Rp + i * ps, ps)], k_smem.at[slot, rows],
+                                        k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(g.Rp + BK + i * ps, ps)], v_smem.at[slot, rows],
+                                        v_bar.at[slot])
+
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(r0, BQ)], q_smem, q_bar)
     for st in range(stages):
-        @pl.when(jnp.logical_and(lead, j0 + st < j1))
+        @pl.when(jnp.logical_and(lead, j0 + st < jend))
         def _(st=st):
             issue(j0 + st, st)
+    if fresh:
+        @pl.when(jnp.logical_and(own, qb == 0))
+        def _():  # the fresh rows, unswizzled, for the page writes
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(g.Rp, BK)], kvw.at[0], w_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(g.Rp + BK, BK)], kvw.at[1], w_bar)
     plgpu.barrier_wait(q_bar)
 
     wg = plgpu.Layout.WGMMA
@@ -156,9 +189,15 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
         else:
             sc = pl.run_scoped(qk, plgpu.ACC((BQ, BK), jnp.float32))
         sc = sc * g.scale
-        ok = visible(col + j * BK, row, (kend, diag, qpos), g.G, g.window)
+        if fresh:  # the fresh block's keys are m + c, visible up to kv_len; the pages' below m
+            is_new = j >= j1
+            kidx = col + jnp.where(is_new, m_fresh, j * BK)
+            ok = visible(kidx, row, (jnp.where(is_new, kv_end, kend), diag, qpos), g.G, g.window)
+        else:
+            kidx = col + j * BK
+            ok = visible(kidx, row, (kend, diag, qpos), g.G, g.window)
         if W:
-            ok = ok & visible_block(col + j * BK, m_blk, W, words)
+            ok = ok & visible_block(kidx, m_blk, W, words)
         sc = jnp.where(ok, sc, NEG)
         m_new = jnp.maximum(m, sc.max(axis=1))
         p = jnp.where(ok, jnp.exp(sc - lax.broadcast_in_dim(m_new, sc.shape, [0])), 0.0)
@@ -178,7 +217,7 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
         if pair:
             plgpu.barrier_arrive(free_bar.at[slot])  # this warpgroup is done with the slot
 
-        @pl.when(jnp.logical_and(lead, j + stages < j1))
+        @pl.when(jnp.logical_and(lead, j + stages < jend))
         def _():
             if pair:
                 plgpu.barrier_wait(free_bar.at[slot])  # and so is the other one
@@ -189,7 +228,16 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
     acc = cast(jnp.zeros((BQ, g.D), jnp.float32), wg)
     m = cast(jnp.full((BQ,), NEG, jnp.float32), wg.reduce(1))
     l = cast(jnp.zeros((BQ,), jnp.float32), wg.reduce(1))
-    acc, m, l = lax.fori_loop(j0, j1, step, (acc, m, l))
+    acc, m, l = lax.fori_loop(j0, jend, step, (acc, m, l))
+    if fresh:
+        @pl.when(jnp.logical_and(own, qb == 0))
+        def _():  # the fresh rows to their pages (read back by no CTA of this call: see the docstring)
+            plgpu.barrier_wait(w_bar)
+            for i in range(g.T):
+                dst = widx_ref[b, i]
+                page, off = lax.div(dst, ps), lax.rem(dst, ps)
+                for c in range(2):
+                    plgpu.copy_smem_to_gmem(kvw.at[c, i], kv_ref.at[page, off, c, h])
     if pair:  # the outputs overwrite the key slabs: both warpgroups must be past their last read
         plgpu.barrier_arrive(done_bar)
         plgpu.barrier_wait(done_bar)
@@ -229,9 +277,13 @@ def auto_pair(g: Geometry) -> bool:
 
 
 def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages: int, interpret: bool, bits=None,
-           W: int = 0, pair: bool = False, max_splits: int | None = None):
+           W: int = 0, pair: bool = False, max_splits: int | None = None, write_idx=None):
+    """write_idx given (fresh): qg is the pack, kv_pages a mutable GMEM ref that the kernel writes."""
     plgpu = _plgpu()
     dtype = qg.dtype
+    fresh = write_idx is not None
+    if fresh and (pair or not W):
+        raise ValueError("paged_attention_mosaic: the fresh block needs unpaired query blocks and a block mask")
     S = num_splits or auto_splits(g, max_splits=max_splits)
     BQ, BK = g.block_q, _block_kv(g.ps)
     swz = 128
@@ -250,22 +302,28 @@ def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages:
     else:
         scratch = [plgpu.SMEM((BQ, g.D), dtype, transforms=tr), *kv, plgpu.SMEM((BQ, g.D), jnp.float32),
                    plgpu.SMEM((BQ,), jnp.float32), plgpu.Barrier(num_arrivals=1), *tma_bars]
-        grid, threads, scoped = (g.B, g.Hkv, g.num_q_blocks * S), {}, {}
+        grid, threads, scoped = (g.B, g.Hkv, g.num_q_blocks * (S + fresh)), {}, {}
+    if fresh:  # the fresh K / V rows unswizzled (row copies to the pages) and their barrier
+        scratch += [plgpu.SMEM((2, BK, g.D), dtype), plgpu.Barrier(num_arrivals=2)]
 
     def entry(bounds_ref, pt_ref, q_ref, kv_ref, *rest):
-        bits_ref, (o_ref, lse_ref) = (rest[0], rest[1:]) if W else (None, rest)
-        pl.run_scoped(lambda *sc: _body(g, S, stages, dtype, interpret, W, pair, bounds_ref, pt_ref, q_ref, kv_ref,
-                                        bits_ref, o_ref, lse_ref, sc), *scratch, **scoped)
+        rest = list(rest)
+        bits_ref = rest.pop(0) if W else None
+        widx_ref = rest.pop(0) if fresh else None
+        o_ref, lse_ref = rest
+        pl.run_scoped(lambda *sc: _body(g, S, stages, dtype, interpret, W, pair, fresh, bounds_ref, pt_ref, q_ref,
+                                        kv_ref, bits_ref, widx_ref, o_ref, lse_ref, sc), *scratch, **scoped)
 
     kw = {} if not interpret else {"interpret": interpret_params("paged_attention_mosaic")}
+    Sp = S + fresh
     o, lse = pl.kernel(
         entry,
-        out_type=[jax.ShapeDtypeStruct((g.B, g.Hkv, S, _out_rows(g), g.D), jnp.float32),
-                  jax.ShapeDtypeStruct((g.B, g.Hkv, S, _out_rows(g)), jnp.float32)],
+        out_type=[jax.ShapeDtypeStruct((g.B, g.Hkv, Sp, _out_rows(g), g.D), jnp.float32),
+                  jax.ShapeDtypeStruct((g.B, g.Hkv, Sp, _out_rows(g)), jnp.float32)],
         mesh=plgpu.Mesh(grid=grid, grid_names=("row", "head", "qs"), **threads),
         name="paged_attention_mosaic",
         **kw,
-    )(bounds, page_table, qg, kv_pages, *([bits] if W else []))
+    )(bounds, page_table, qg, kv_pages, *([bits] if W else []), *([write_idx] if fresh else []))
     return o, lse
 
 
@@ -291,9 +349,7 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
     if block_q not in (None,) + BLOCK_QS or block_kv not in (None, _block_kv(kv_pages.shape[1])):
         raise ValueError(f"paged_attention_mosaic: block_q is one of {BLOCK_QS} and block_kv max(64, page_size); "
                          f"got block_q={block_q}, block_kv={block_kv}")
-    if block_q is None:
-        block_q = 64 if q.shape[1] * (q.shape[2] // kv_pages.shape[3]) <= 128 else 128  # 17-node verify: 2 x 64
-    g = geometry(q, kv_pages, page_table, block_q, sliding_window, scale)
+    g = geometry(q, kv_pages, page_table, block_q or _default_block_q(q, kv_pages), sliding_window, scale)
     if pair_blocks and not can_pair(g):
         raise ValueError(f"paged_attention_mosaic: pair_blocks needs two 64-row query blocks, got {g.R} rows "
                          f"in blocks of {block_q}")
@@ -306,3 +362,66 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
     o, lse = fn(group_queries(q, g), kv_pages, page_table.astype(jnp.int32), bounds, g,
                 bits=pack_block_rows(block_mask, g), W=block_mask.shape[2])
     return ungroup(combine([(o[:, :, :, : g.R], lse[:, :, :, : g.R])]), g, q.dtype)
+
+
+def _default_block_q(q, kv_pages) -> int:
+    return 64 if q.shape[1] * (q.shape[2] // kv_pages.shape[3]) <= 128 else 128  # 17-node verify: 2 x 64
+
+
+def why_not_write(q, kv_pages, page_table, block_mask, mask_start=None, block_q: int | None = None) -> str | None:
+    """Why `paged_attention_write_mosaic` cannot take this call (None: it can); shapes only."""
+    g = geometry(q, kv_pages, page_table, block_q or _default_block_q(q, kv_pages), None, None)
+    return _why_not_write(g, block_mask, mask_start, auto_pair(g))
+
+
+def _why_not_write(g: Geometry, block_mask, mask_start, pair: bool) -> str | None:
+    if block_mask is None or mask_start is not None:
+        return "the fresh block is a tree verify's (a block mask over the call's own tokens, mask_start None)"
+    if block_mask.shape[1:] != (g.T, g.T):
+        return f"block_mask {tuple(block_mask.shape)} is not [B, T, T] with T = {g.T}"
+    if g.T > _block_kv(g.ps):
+        return f"{g.T} new tokens do not fit one key block of {_block_kv(g.ps)}"
+    if pair:
+        return "paired query blocks take no fresh block"
+    return None
+
+
+def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, write_idx, q_start, kv_len, block_mask,
+                                 *, sliding_window=None, scale=None, num_splits: int | None = None, stages: int = 2,
+                                 block_q: int | None = None, block_kv: int | None = None, interpret: bool = False,
+                                 max_splits: int | None = None):
+    """write_kv(kv_pages, k_new, v_new, write_idx) then paged_attention_mosaic(q, ...), as one kernel: a tree
+    verify's T new tokens (k_new, v_new [B, T, Hkv, D] at cache indices q_start + i, flat write_idx [B, T];
+    block_mask [B, T, T]) attend to the pages below q_start and to their own block, whose K / V the kernel
+    takes from this call's array (one more split; `_body`, fresh) and writes to the pages: XLA's scatter
+    of the rows (a kernel of its own per layer) is gone. Returns (o [B, T, H, D], kv_pages). Calls that
+    `why_not_write` refuses raise a ValueError (the dispatch point asks it first)."""
+    why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
+    if why is not None:
+        raise ValueError(f"paged_attention_write_mosaic: {why}")
+    if block_q not in (None,) + BLOCK_QS or block_kv not in (None, _block_kv(kv_pages.shape[1])):
+        raise ValueError(f"paged_attention_write_mosaic: block_q is one of {BLOCK_QS} and block_kv max(64, "
+                         f"page_size); got block_q={block_q}, block_kv={block_kv}")
+    g = geometry(q, kv_pages, page_table, block_q or _default_block_q(q, kv_pages), sliding_window, scale)
+    why = _why_not_write(g, block_mask, None, auto_pair(g))
+    if why is not None:
+        raise ValueError(f"paged_attention_write_mosaic: {why}")
+    if k_new.shape != (g.B, g.T, g.Hkv, g.D) or v_new.shape != k_new.shape or write_idx.shape != (g.B, g.T):
+        raise ValueError(f"paged_attention_write_mosaic: k_new / v_new {tuple(k_new.shape)} / {tuple(v_new.shape)} "
+                         f"and write_idx {tuple(write_idx.shape)} must be [B, T, Hkv, D] = {(g.B, g.T, g.Hkv, g.D)} "
+                         f"and [B, T]")
+    BK = _block_kv(g.ps)
+    dtype = kv_pages.dtype
+
+    def rows(x):  # [B, T, Hkv, D] -> [B, Hkv, BK, D], zero rows past T (finite: their p is 0)
+        return jnp.pad(x.astype(dtype).transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, BK - g.T), (0, 0)))
+    pack = jnp.concatenate([group_queries(q, g).astype(dtype), rows(k_new), rows(v_new)], axis=2)
+    b4 = block_bounds(q_start, kv_len, None, g)  # (kend, diag, qpos, m): the pages hold the keys below m
+    kv_end = b4[:, 0]
+    bounds = jnp.concatenate([b4.at[:, 0].set(jnp.minimum(kv_end, b4[:, 3])), kv_end[:, None]], axis=1)
+    kv_ref = jax.new_ref(kv_pages, memory_space=_plgpu().GMEM)
+    o, lse = _paged(pack, kv_ref, page_table.astype(jnp.int32), bounds, g, num_splits=num_splits, stages=stages,
+                    interpret=interpret, max_splits=max_splits, bits=pack_block_rows(block_mask, g), W=g.T,
+                    write_idx=write_idx.astype(jnp.int32))
+    out = ungroup(combine([(o[:, :, :, : g.R], lse[:, :, :, : g.R])]), g, q.dtype)
+    return out, kv_ref[...]

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import gather_kv, paged_attention_reference, visibility_mask
 from specjax.kernel_choice import Choice, choose
+from specjax.kv_cache import write_kv
 
 # GPU "auto": the Mosaic GPU kernel (Hopper, bf16 / f16), else cuDNN (bf16 / f16), else the reference.
 # Measured on an H100 (SmolLM2 + its EAGLE-3 head, tree 5/4/16, engine steady state, docs/benchmarks.md):
@@ -159,13 +160,43 @@ def implementation(impl: AttnImpl):
     return _FACTORIES[impl.name](impl)
 
 
-def attend(q, kv_pages, meta, impl: AttnImpl = REFERENCE, *, sliding_window=None):
-    """q: [B, T, H, D] over the pages named by meta (AttnMeta). Returns [B, T, H, D]."""
+def _capped(impl: AttnImpl) -> AttnImpl:
     cap = getattr(_cap, "n", None)
     if cap is not None and impl.name in SPLIT_KERNELS and impl.num_splits is None:
         impl = dataclasses.replace(impl, max_splits=min(cap, impl.max_splits or cap))
-    return implementation(impl)(q, kv_pages, meta.page_table, meta.q_start, meta.kv_len, meta.block_mask,
-                                sliding_window=sliding_window, mask_start=meta.mask_start)
+    return impl
+
+
+def attend(q, kv_pages, meta, impl: AttnImpl = REFERENCE, *, sliding_window=None):
+    """q: [B, T, H, D] over the pages named by meta (AttnMeta). Returns [B, T, H, D]."""
+    return implementation(_capped(impl))(q, kv_pages, meta.page_table, meta.q_start, meta.kv_len, meta.block_mask,
+                                         sliding_window=sliding_window, mask_start=meta.mask_start)
+
+
+@functools.lru_cache(maxsize=None)
+def _writer(impl: AttnImpl):
+    """The kernel of impl that writes a tree verify's K / V and attends in one launch (None: impl has none)."""
+    if impl.name != "mosaic_gpu":
+        return None
+    from pallas_kernels.paged_attention_mosaic import paged_attention_write_mosaic
+    return _lowered_once(functools.partial(paged_attention_write_mosaic, **_tuning(impl)))
+
+
+def write_and_attend(q, k, v, kv_pages, meta, impl: AttnImpl = REFERENCE, *, sliding_window=None):
+    """The new tokens' K / V [B, T, Hkv, D] written at meta.write_idx, then q [B, T, H, D] attends as in
+    `attend`. Returns (o [B, T, H, D], kv_pages). Where impl has a kernel that does both and the call is
+    a tree verify's (block mask over the call's own tokens), one launch: the Mosaic GPU kernel takes
+    the new rows from its input and writes them itself (XLA's scatter, one kernel per layer, is gone);
+    otherwise `write_kv` then `attend` (same values: the kernel's tests compare the two)."""
+    writer = _writer(impl)
+    if writer is not None:
+        from pallas_kernels.paged_attention_mosaic import why_not_write
+        if why_not_write(q, kv_pages, meta.page_table, meta.block_mask, meta.mask_start, impl.block_q) is None:
+            fn = _writer(_capped(impl))
+            return fn(q, k, v, kv_pages, meta.page_table, meta.write_idx, meta.q_start, meta.kv_len,
+                      meta.block_mask, sliding_window=sliding_window)
+    kv_pages = write_kv(kv_pages, k, v, meta.write_idx)
+    return attend(q, kv_pages, meta, impl, sliding_window=sliding_window), kv_pages
 
 
 # ----------------------------------------------------------------------------- choosing at start

@@ -190,3 +190,30 @@ def test_splits_at_most_caps_the_splitting_kernels_while_tracing(monkeypatch):
     attention.attend(None, None, meta, pallas)
     assert seen == [dataclasses.replace(pallas, max_splits=4), fixed, dataclasses.replace(mosaic, max_splits=4),
                     attention.REFERENCE, pallas]
+
+
+def test_write_and_attend_fuses_the_write_for_tree_verifies_only():
+    """write_and_attend: the Mosaic GPU impl takes a tree verify's write into its kernel (one launch, the
+    scatter gone); growth (mask_start), prefill and other impls write with write_kv then attend. The
+    values of the two ways: test_mosaic_interpreted_write_and_attend."""
+    from specjax.kv_cache import write_kv
+    rng = np.random.default_rng(4)
+    q, kv, pt, qs, kl, mask = _case(rng, T=5, tree=True)
+    k, v = (jnp.asarray(rng.normal(size=(3, 5, 2, 64)), jnp.bfloat16) for _ in range(2))
+    widx = jnp.asarray(rng.permutation(kv.shape[0] * kv.shape[1])[:15].reshape(3, 5), jnp.int32)
+
+    def meta(block_mask, mask_start=None):
+        return types.SimpleNamespace(page_table=pt, q_start=qs, kv_len=kl, write_idx=widx, block_mask=block_mask,
+                                     mask_start=mask_start)
+
+    def text(impl, m):
+        return str(jax.make_jaxpr(lambda *a: attention.write_and_attend(*a, m, impl))(q, k, v, kv))
+    mosaic = AttnImpl("mosaic_gpu", interpret=True)
+    assert "paged_attention_write_mosaic" in text(mosaic, meta(mask))
+    for impl, m in [(mosaic, meta(mask, mask_start=qs)), (mosaic, meta(None)), (AttnImpl(), meta(mask))]:
+        t = text(impl, m)
+        assert "paged_attention_write_mosaic" not in t and "scatter" in t
+    o, pages = attention.write_and_attend(q, k, v, kv, meta(mask))  # reference: write_kv, then attend
+    np.testing.assert_array_equal(np.asarray(pages, np.float32), np.asarray(write_kv(kv, k, v, widx), np.float32))
+    want = paged_attention_reference(q, pages, pt, qs, kl, mask)
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(want, np.float32))

@@ -182,3 +182,66 @@ def test_kernels_reject_what_they_cannot_serve():
         jax.eval_shape(paged_attention_tpu, *case.args)
     with pytest.raises(ValueError, match="does not fit kv_pages"):
         jax.eval_shape(paged_attention_pallas, case.q[..., :8], *case.args[1:])
+
+
+def test_write_kernel_lowers_for_cuda():
+    """The verify kernel that writes its tokens' K / V (one more split reads them from the call's rows; row
+    copies to the pages) lowers for CUDA; running it needs a GPU (its values: the interpreter's test)."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from pallas_kernels.paged_attention_mosaic import paged_attention_write_mosaic
+    q, kv, pt, qs, kl, mask = _engine_shapes(jnp.bfloat16, 17, True)
+    new = _sds((4, 17, 8, 128), jnp.bfloat16)
+    exp = export.export(jax.jit(paged_attention_write_mosaic), platforms=("cuda",))(
+        q, new, new, kv, pt, _sds((4, 17), jnp.int32), qs, kl, mask)
+    assert "mosaic_gpu" in exp.mlir_module()
+    assert [a.shape for a in exp.out_avals] == [q.shape, kv.shape]
+
+
+def test_write_kernel_takes_tree_verifies_only():
+    """why_not_write names why a call is not a tree verify it can take; the kernel refuses those calls."""
+    from pallas_kernels.paged_attention_mosaic import paged_attention_write_mosaic, why_not_write
+    bf = jnp.bfloat16
+    kv, pt = _sds((300, 16, 2, 2, 64), bf), _sds((4, 8), jnp.int32)
+    rows = _sds((4,), jnp.int32)
+
+    def q(T):
+        return _sds((4, T, 8, 64), bf)
+    assert why_not_write(q(17), kv, pt, _sds((4, 17, 17), jnp.bool_)) is None
+    assert "tree verify" in why_not_write(q(17), kv, pt, None)  # prefill / decode: causal
+    assert "tree verify" in why_not_write(q(3), kv, pt, _sds((4, 3, 12), jnp.bool_), mask_start=rows)  # growth
+    assert "is not [B, T, T]" in why_not_write(q(3), kv, pt, _sds((4, 3, 12), jnp.bool_))
+    assert "one key block of 64" in why_not_write(q(65), kv, pt, _sds((4, 65, 65), jnp.bool_))
+    big = _sds((40, 17, 32, 128), bf), _sds((300, 16, 2, 8, 128), bf), _sds((40, 8), jnp.int32)
+    assert "paired" in why_not_write(*big, _sds((40, 17, 17), jnp.bool_))  # 640 CTAs: the blocks pair
+    new = _sds((4, 3, 2, 64), bf)
+    with pytest.raises(ValueError, match="tree verify"):
+        jax.eval_shape(paged_attention_write_mosaic, q(3), new, new, kv, pt, _sds((4, 3), jnp.int32), rows, rows,
+                       None)
+    with pytest.raises(ValueError, match=r"must be \[B, T, Hkv, D\]"):
+        jax.eval_shape(paged_attention_write_mosaic, q(3), _sds((4, 3, 1, 64), bf), new, kv, pt,
+                       _sds((4, 3), jnp.int32), rows, rows, _sds((4, 3, 3), jnp.bool_))
+
+
+def _hopper() -> bool:
+    return jax.default_backend() == "gpu" and getattr(jax.devices()[0], "compute_capability", "") >= "9.0"
+
+
+@pytest.mark.parametrize("T,H,Hkv", [(32, 9, 3), (17, 32, 8)])
+def test_write_kernel_on_gpu(T, H, Hkv):
+    """On a Hopper GPU, compiled (not interpreted): the verify kernel that writes its tokens' K / V gives
+    write_kv's pages and the reference's attention over them (SmolLM2's batch-1 tree, an 8B-shaped one)."""
+    if not _hopper():
+        pytest.skip("runs the Mosaic GPU kernel: needs a Hopper GPU")
+    from pallas_kernels.paged_attention_mosaic import paged_attention_write_mosaic
+    from specjax.kv_cache import write_indices, write_kv
+    rng = np.random.default_rng(T)
+    case = make_case(rng, "verify", page_size=16, B=3, T=T, H=H, Hkv=Hkv, D=64, dtype=jnp.bfloat16)
+    k_new, v_new = (jnp.asarray(rng.normal(0, 1, (3, T, Hkv, 64)), jnp.bfloat16) for _ in range(2))
+    widx = write_indices(case.page_table, case.q_start, jnp.asarray(case.num_new, jnp.int32), T, 16)
+    want_pages = write_kv(case.kv_pages, k_new, v_new, widx)
+    want = paged_attention_reference(case.q, want_pages, case.page_table, case.q_start, case.kv_len, case.block_mask)
+    got, pages = jax.jit(paged_attention_write_mosaic)(case.q, k_new, v_new, case.kv_pages, case.page_table, widx,
+                                                       case.q_start, case.kv_len, case.block_mask)
+    assert_valid_close(got, want, case.num_new, atol=3e-2)
+    np.testing.assert_array_equal(np.asarray(pages.astype(jnp.float32))[1:],
+                                  np.asarray(want_pages.astype(jnp.float32))[1:])

@@ -14,7 +14,7 @@ from flax import nnx
 
 from specjax import attention
 from specjax.config import ModelConfig
-from specjax.kv_cache import AttnMeta, KVCache, write_kv
+from specjax.kv_cache import AttnMeta, KVCache
 from specjax.models.layers import RMSNorm, apply_rope, rope_inv_freq
 
 
@@ -94,8 +94,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, self.inv_freq)
         k = apply_rope(k, positions, self.inv_freq)
-        kv_pages = write_kv(kv_pages, k, v, meta.write_idx)
-        o = attention.attend(q, kv_pages, meta, self.attn_impl, sliding_window=self.sliding_window)
+        o, kv_pages = attention.write_and_attend(q, k, v, kv_pages, meta, self.attn_impl,
+                                                 sliding_window=self.sliding_window)
         out = _einsum("bthd,hde->bte", o, self.wo[...])  # [B, T, E]
         if self.o_bias:
             out = out + self.bo[...]
