@@ -78,11 +78,12 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
     [B, ceil(W / 32), Rp] int32 (pack_block_rows); W = 0: bits_ref is None.
     pair: the CTA's two warpgroups take the two query blocks ("wg" = the block) over the same key
     slabs, which warpgroup 0 loads once for both; a slot is refilled when both have read it.
-    fresh (`paged_attention_write_mosaic`): the W = T block entries are this call's own tokens, whose
-    K / V rows come in the pack (rows Rp.. and Rp + BK..), not from the pages: the S page splits read
-    keys below m only (bounds_ref[b, 0]), split S reads the fresh block as its one key block (keys m + c,
-    up to kv_len = bounds_ref[b, 4]), and its first query block's CTA also writes the rows to the pages
-    at widx_ref [B, T] (flat cache indices), which no CTA of this call reads unmasked."""
+    fresh (`paged_attention_write_mosaic`): the call's own T tokens (cache indices q_start + i), whose K / V
+    rows come in the pack (rows Rp.. and Rp + BK..), not from the pages: the S page splits read keys
+    below q_start only (bounds_ref[b, 0]), split S reads the fresh block as its one key block (keys
+    q_start + c, bounds_ref[b, 5], up to kv_len = bounds_ref[b, 4]; masked by the block bits as any key
+    in the block), and its first query block's CTA also writes the rows to the pages at widx_ref [B, T]
+    (flat cache indices), which no CTA of this call reads unmasked. bounds_ref is then [B, 6]."""
     plgpu = _plgpu()
     BQ, BK, ps = g.block_q, _block_kv(g.ps), g.ps
     ppb = BK // ps  # pages per key block
@@ -115,7 +116,7 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
         own = s == S
         j1 = jnp.where(own, j0, j1)  # the fresh split: no page block,
         jend = j1 + own.astype(jnp.int32)  # and the fresh block as j = j0
-        kv_end, m_fresh = bounds_ref[b, 4], bounds_ref[b, 3]
+        kv_end, m_fresh = bounds_ref[b, 4], bounds_ref[b, 5]
 
     def issue_pages(j, slot):
         for i in range(ppb):
@@ -368,17 +369,17 @@ def _default_block_q(q, kv_pages) -> int:
     return 64 if q.shape[1] * (q.shape[2] // kv_pages.shape[3]) <= 128 else 128  # 17-node verify: 2 x 64
 
 
-def why_not_write(q, kv_pages, page_table, block_mask, mask_start=None, block_q: int | None = None) -> str | None:
+def why_not_write(q, kv_pages, page_table, block_mask, block_q: int | None = None) -> str | None:
     """Why `paged_attention_write_mosaic` cannot take this call (None: it can); shapes only."""
     g = geometry(q, kv_pages, page_table, block_q or _default_block_q(q, kv_pages), None, None)
-    return _why_not_write(g, block_mask, mask_start, auto_pair(g))
+    return _why_not_write(g, block_mask, auto_pair(g))
 
 
-def _why_not_write(g: Geometry, block_mask, mask_start, pair: bool) -> str | None:
-    if block_mask is None or mask_start is not None:
-        return "the fresh block is a tree verify's (a block mask over the call's own tokens, mask_start None)"
-    if block_mask.shape[1:] != (g.T, g.T):
-        return f"block_mask {tuple(block_mask.shape)} is not [B, T, T] with T = {g.T}"
+def _why_not_write(g: Geometry, block_mask, pair: bool) -> str | None:
+    if block_mask is None:
+        return "causal calls (prefill, decode) keep the scatter: the fresh block is a block-masked call's"
+    if block_mask.shape[1] != g.T:
+        return f"block_mask {tuple(block_mask.shape)} is not [B, T = {g.T}, W]"
     if g.T > _block_kv(g.ps):
         return f"{g.T} new tokens do not fit one key block of {_block_kv(g.ps)}"
     if pair:
@@ -387,15 +388,18 @@ def _why_not_write(g: Geometry, block_mask, mask_start, pair: bool) -> str | Non
 
 
 def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, write_idx, q_start, kv_len, block_mask,
-                                 *, sliding_window=None, scale=None, num_splits: int | None = None, stages: int = 2,
+                                 *, sliding_window=None, scale=None, mask_start=None, num_splits: int | None = None,
+                                 stages: int = 2,
                                  block_q: int | None = None, block_kv: int | None = None, interpret: bool = False,
                                  max_splits: int | None = None):
-    """write_kv(kv_pages, k_new, v_new, write_idx) then paged_attention_mosaic(q, ...), as one kernel: a tree
-    verify's T new tokens (k_new, v_new [B, T, Hkv, D] at cache indices q_start + i, flat write_idx [B, T];
-    block_mask [B, T, T]) attend to the pages below q_start and to their own block, whose K / V the kernel
-    takes from this call's array (one more split; `_body`, fresh) and writes to the pages: XLA's scatter
-    of the rows (a kernel of its own per layer) is gone. Returns (o [B, T, H, D], kv_pages). Calls that
-    `why_not_write` refuses raise a ValueError (the dispatch point asks it first)."""
+    """write_kv(kv_pages, k_new, v_new, write_idx) then paged_attention_mosaic(q, ...), as one kernel, for a
+    block-masked call (tree verify, draft growth): the T new tokens (k_new, v_new [B, T, Hkv, D]) attend to
+    the pages below q_start and to their own keys, which the kernel takes from this call's array (one more
+    split; `_body`, fresh) and writes to the pages: XLA's scatter of the rows (a kernel of its own per
+    layer) is gone. The rows' places are the meta's (kv_cache.write_indices): write_idx [B, T] is the flat
+    index of cache entry q_start + i, or the trash page for a token at or past kv_len. Returns
+    (o [B, T, H, D], kv_pages). Calls that `why_not_write` refuses raise a ValueError (the dispatch point
+    asks it first)."""
     why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
     if why is not None:
         raise ValueError(f"paged_attention_write_mosaic: {why}")
@@ -403,7 +407,7 @@ def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, write_id
         raise ValueError(f"paged_attention_write_mosaic: block_q is one of {BLOCK_QS} and block_kv max(64, "
                          f"page_size); got block_q={block_q}, block_kv={block_kv}")
     g = geometry(q, kv_pages, page_table, block_q or _default_block_q(q, kv_pages), sliding_window, scale)
-    why = _why_not_write(g, block_mask, None, auto_pair(g))
+    why = _why_not_write(g, block_mask, auto_pair(g))
     if why is not None:
         raise ValueError(f"paged_attention_write_mosaic: {why}")
     if k_new.shape != (g.B, g.T, g.Hkv, g.D) or v_new.shape != k_new.shape or write_idx.shape != (g.B, g.T):
@@ -416,12 +420,13 @@ def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, write_id
     def rows(x):  # [B, T, Hkv, D] -> [B, Hkv, BK, D], zero rows past T (finite: their p is 0)
         return jnp.pad(x.astype(dtype).transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, BK - g.T), (0, 0)))
     pack = jnp.concatenate([group_queries(q, g).astype(dtype), rows(k_new), rows(v_new)], axis=2)
-    b4 = block_bounds(q_start, kv_len, None, g)  # (kend, diag, qpos, m): the pages hold the keys below m
-    kv_end = b4[:, 0]
-    bounds = jnp.concatenate([b4.at[:, 0].set(jnp.minimum(kv_end, b4[:, 3])), kv_end[:, None]], axis=1)
+    b4 = block_bounds(q_start, kv_len, mask_start, g)  # (kend, diag, qpos, m)
+    kv_end, start = b4[:, 0], q_start.astype(jnp.int32)  # the pages give the keys below q_start
+    bounds = jnp.concatenate([b4.at[:, 0].set(jnp.minimum(kv_end, start)), kv_end[:, None], start[:, None]], axis=1)
     kv_ref = jax.new_ref(kv_pages, memory_space=_plgpu().GMEM)
     o, lse = _paged(pack, kv_ref, page_table.astype(jnp.int32), bounds, g, num_splits=num_splits, stages=stages,
-                    interpret=interpret, max_splits=max_splits, bits=pack_block_rows(block_mask, g), W=g.T,
+                    interpret=interpret, max_splits=max_splits, bits=pack_block_rows(block_mask, g),
+                    W=block_mask.shape[2],
                     write_idx=write_idx.astype(jnp.int32))
     out = ungroup(combine([(o[:, :, :, : g.R], lse[:, :, :, : g.R])]), g, q.dtype)
     return out, kv_ref[...]

@@ -175,7 +175,7 @@ def attend(q, kv_pages, meta, impl: AttnImpl = REFERENCE, *, sliding_window=None
 
 @functools.lru_cache(maxsize=None)
 def _writer(impl: AttnImpl):
-    """The kernel of impl that writes a tree verify's K / V and attends in one launch (None: impl has none)."""
+    """The kernel of impl that writes a block-masked call's K / V and attends in one launch (None: none)."""
     if impl.name != "mosaic_gpu":
         return None
     from pallas_kernels.paged_attention_mosaic import paged_attention_write_mosaic
@@ -185,16 +185,19 @@ def _writer(impl: AttnImpl):
 def write_and_attend(q, k, v, kv_pages, meta, impl: AttnImpl = REFERENCE, *, sliding_window=None):
     """The new tokens' K / V [B, T, Hkv, D] written at meta.write_idx, then q [B, T, H, D] attends as in
     `attend`. Returns (o [B, T, H, D], kv_pages). Where impl has a kernel that does both and the call is
-    a tree verify's (block mask over the call's own tokens), one launch: the Mosaic GPU kernel takes
+    a tree verify's (block-masked from q_start: mask_start None), one launch: the Mosaic GPU kernel takes
     the new rows from its input and writes them itself (XLA's scatter, one kernel per layer, is gone);
-    otherwise `write_kv` then `attend` (same values: the kernel's tests compare the two)."""
-    writer = _writer(impl)
+    otherwise `write_kv` then `attend` (same values: the kernel's tests compare the two). Draft levels
+    (mask_start set) could take the kernel too, but their bounds then differ per level (q_start), one
+    more small kernel each for the scatter saved (SmolLM2's fused step counted compile-only: 509 either
+    way), so they keep the scatter."""
+    writer = _writer(impl) if meta.mask_start is None else None
     if writer is not None:
         from pallas_kernels.paged_attention_mosaic import why_not_write
-        if why_not_write(q, kv_pages, meta.page_table, meta.block_mask, meta.mask_start, impl.block_q) is None:
+        if why_not_write(q, kv_pages, meta.page_table, meta.block_mask, impl.block_q) is None:
             fn = _writer(_capped(impl))
             return fn(q, k, v, kv_pages, meta.page_table, meta.write_idx, meta.q_start, meta.kv_len,
-                      meta.block_mask, sliding_window=sliding_window)
+                      meta.block_mask, sliding_window=sliding_window, mask_start=meta.mask_start)
     kv_pages = write_kv(kv_pages, k, v, meta.write_idx)
     return attend(q, kv_pages, meta, impl, sliding_window=sliding_window), kv_pages
 

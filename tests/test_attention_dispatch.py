@@ -194,8 +194,9 @@ def test_splits_at_most_caps_the_splitting_kernels_while_tracing(monkeypatch):
 
 def test_write_and_attend_fuses_the_write_for_tree_verifies_only():
     """write_and_attend: the Mosaic GPU impl takes a tree verify's write into its kernel (one launch, the
-    scatter gone); growth (mask_start), prefill and other impls write with write_kv then attend. The
-    values of the two ways: test_mosaic_interpreted_write_and_attend."""
+    scatter gone); draft growth (mask_start: per-level bounds would cost what the scatter saves), causal
+    calls (prefill, decode) and other impls write with write_kv then attend. The values of the two ways:
+    test_mosaic_interpreted_write_and_attend (verify and growth)."""
     from specjax.kv_cache import write_kv
     rng = np.random.default_rng(4)
     q, kv, pt, qs, kl, mask = _case(rng, T=5, tree=True)

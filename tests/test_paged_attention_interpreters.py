@@ -122,29 +122,31 @@ def test_mosaic_interpreted_smollm2_geometry(mode, T, seed):
     assert_valid_close(got, want, case.num_new, atol=3e-2)
 
 
-WRITE_CASES = [  # (T, H, Hkv, num_splits, seed): a tree verify whose K / V the kernel writes itself
-    (17, 4, 2, 2, 11),  # two 64-row query blocks
-    (32, 9, 3, None, 12),  # SmolLM2's geometry and the engine's batch-1 tree (7/4/24 + a branch of 7), auto splits
-    (40, 4, 1, 1, 13),  # two mask words per row, one page split
+WRITE_CASES = [  # (mode, T, H, Hkv, num_splits, seed): block-masked calls whose K / V the kernel writes itself
+    ("verify", 17, 4, 2, 2, 11),  # two 64-row query blocks
+    ("verify", 32, 9, 3, None, 12),  # SmolLM2's geometry, the engine's batch-1 tree (7/4/24 + a branch of 7)
+    ("verify", 40, 4, 1, 1, 13),  # two mask words per row, one page split
+    ("grow", 4, 9, 3, 2, 14),  # a draft level: earlier levels' entries from the pages, its own from the call
 ]
 
 
 @needs_gpu_interpreter
-@pytest.mark.parametrize("T,H,Hkv,num_splits,seed", WRITE_CASES)
-def test_mosaic_interpreted_write_and_attend(T, H, Hkv, num_splits, seed):
+@pytest.mark.parametrize("mode,T,H,Hkv,num_splits,seed", WRITE_CASES)
+def test_mosaic_interpreted_write_and_attend(mode, T, H, Hkv, num_splits, seed):
     """paged_attention_write_mosaic = write_kv then the reference: the new tokens' keys come from the call's
     own rows (the pages at those slots hold other values, make_case's garbage), the rows land on their
     pages (every page but the trash page equal to write_kv's), padding tokens and the empty row included."""
     from pallas_kernels.paged_attention_mosaic import paged_attention_write_mosaic
     from specjax.kv_cache import write_indices, write_kv
     rng = np.random.default_rng(seed)
-    case = make_case(rng, "verify", page_size=16, B=3, T=T, H=H, Hkv=Hkv, D=64, dtype=jnp.bfloat16)
+    case = make_case(rng, mode, page_size=16, B=3, T=T, H=H, Hkv=Hkv, D=64, dtype=jnp.bfloat16)
     k_new, v_new = (jnp.asarray(rng.normal(0, 1, (3, T, Hkv, 64)), jnp.bfloat16) for _ in range(2))
     widx = write_indices(case.page_table, case.q_start, jnp.asarray(case.num_new, jnp.int32), T, 16)
     want_pages = write_kv(case.kv_pages, k_new, v_new, widx)
     want = _ref(dataclasses.replace(case, kv_pages=want_pages))
     got, pages = jax.jit(functools.partial(paged_attention_write_mosaic, interpret=True, num_splits=num_splits))(
-        case.q, k_new, v_new, case.kv_pages, case.page_table, widx, case.q_start, case.kv_len, case.block_mask)
+        case.q, k_new, v_new, case.kv_pages, case.page_table, widx, case.q_start, case.kv_len, case.block_mask,
+        mask_start=case.mask_start)
     assert got.dtype == jnp.bfloat16 and pages.shape == case.kv_pages.shape
     assert_valid_close(got, want, case.num_new, atol=3e-2)
     np.testing.assert_array_equal(np.asarray(pages.astype(jnp.float32))[1:],

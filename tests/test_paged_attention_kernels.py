@@ -197,8 +197,9 @@ def test_write_kernel_lowers_for_cuda():
     assert [a.shape for a in exp.out_avals] == [q.shape, kv.shape]
 
 
-def test_write_kernel_takes_tree_verifies_only():
-    """why_not_write names why a call is not a tree verify it can take; the kernel refuses those calls."""
+def test_write_kernel_takes_block_masked_calls_only():
+    """why_not_write names why it cannot take a call (causal ones, too many tokens, paired blocks); the
+    kernel refuses those calls."""
     from pallas_kernels.paged_attention_mosaic import paged_attention_write_mosaic, why_not_write
     bf = jnp.bfloat16
     kv, pt = _sds((300, 16, 2, 2, 64), bf), _sds((4, 8), jnp.int32)
@@ -206,15 +207,15 @@ def test_write_kernel_takes_tree_verifies_only():
 
     def q(T):
         return _sds((4, T, 8, 64), bf)
-    assert why_not_write(q(17), kv, pt, _sds((4, 17, 17), jnp.bool_)) is None
-    assert "tree verify" in why_not_write(q(17), kv, pt, None)  # prefill / decode: causal
-    assert "tree verify" in why_not_write(q(3), kv, pt, _sds((4, 3, 12), jnp.bool_), mask_start=rows)  # growth
-    assert "is not [B, T, T]" in why_not_write(q(3), kv, pt, _sds((4, 3, 12), jnp.bool_))
+    assert why_not_write(q(17), kv, pt, _sds((4, 17, 17), jnp.bool_)) is None  # tree verify
+    assert why_not_write(q(3), kv, pt, _sds((4, 3, 12), jnp.bool_)) is None  # draft growth
+    assert "causal calls" in why_not_write(q(17), kv, pt, None)  # prefill / decode
+    assert "is not [B, T = 3, W]" in why_not_write(q(3), kv, pt, _sds((4, 4, 12), jnp.bool_))
     assert "one key block of 64" in why_not_write(q(65), kv, pt, _sds((4, 65, 65), jnp.bool_))
     big = _sds((40, 17, 32, 128), bf), _sds((300, 16, 2, 8, 128), bf), _sds((40, 8), jnp.int32)
     assert "paired" in why_not_write(*big, _sds((40, 17, 17), jnp.bool_))  # 640 CTAs: the blocks pair
     new = _sds((4, 3, 2, 64), bf)
-    with pytest.raises(ValueError, match="tree verify"):
+    with pytest.raises(ValueError, match="causal calls"):
         jax.eval_shape(paged_attention_write_mosaic, q(3), new, new, kv, pt, _sds((4, 3), jnp.int32), rows, rows,
                        None)
     with pytest.raises(ValueError, match=r"must be \[B, T, Hkv, D\]"):
