@@ -69,27 +69,27 @@ def _out_rows(g: Geometry) -> int:
     return g.Rp if g.num_q_blocks > 1 else -(-g.R // 8) * 8
 
 
-def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair: bool, fresh: bool, bounds_ref,
-          pt_ref, q_ref, kv_ref, bits_ref, widx_ref, o_ref, lse_ref, scratch):
-    """bounds_ref [B, 4] (fresh: [B, 5]), pt_ref [B, P] int32, q_ref [B, Hkv, Rp, D] (fresh: the pack
+def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair: bool, fresh: int | None,
+          bounds_ref, pt_ref, q_ref, kv_ref, bits_ref, o_ref, lse_ref, scratch):
+    """bounds_ref [B, 4], pt_ref [B, P] int32, q_ref [B, Hkv, Rp, D] (fresh: the pack
     [B, Hkv, Rp + 2 BK, D]), kv_ref [N, ps, 2, Hkv, D] (GMEM); o_ref [B, Hkv, S', R', D] f32, lse_ref
-    [B, Hkv, S', R'] f32 (GMEM; R' = _out_rows; S' = S, or S + 1 when fresh).
+    [B, Hkv, S', R'] f32 (GMEM; R' = _out_rows; S' = S, or S + 1 with a fresh block).
     W > 0: a block of W entries from bounds_ref[b, 3] on, masked per query row by bits_ref
     [B, ceil(W / 32), Rp] int32 (pack_block_rows); W = 0: bits_ref is None.
     pair: the CTA's two warpgroups take the two query blocks ("wg" = the block) over the same key
     slabs, which warpgroup 0 loads once for both; a slot is refilled when both have read it.
-    fresh (`paged_attention_write_mosaic`): the call's own T tokens (cache indices q_start + i), whose K / V
-    rows come in the pack (rows Rp.. and Rp + BK..), not from the pages: the S page splits read keys
-    below q_start only (bounds_ref[b, 0]), split S reads the fresh block as its one key block (keys
-    q_start + c, bounds_ref[b, 5], up to kv_len = bounds_ref[b, 4]; masked by the block bits as any key
-    in the block), and its first query block's CTA also writes the rows to the pages at widx_ref [B, T]
-    (flat cache indices), which no CTA of this call reads unmasked. bounds_ref is then [B, 6]."""
+    fresh (an int, `paged_attention_write_mosaic`): the call's own T tokens are the cache entries
+    start + i, start = m + fresh (m = bounds_ref[b, 3]); their K / V rows come in the pack (rows Rp.. and
+    Rp + BK..), not from the pages: the S page splits read the keys below start only, split S reads the
+    fresh block as its one key block (keys start + c up to kend = bounds_ref[b, 0], masked by the block
+    bits as any key of the block), and its first query block's CTA also writes the rows start + i < kend
+    to their pages, which no CTA of this call reads unmasked."""
     plgpu = _plgpu()
     BQ, BK, ps = g.block_q, _block_kv(g.ps), g.ps
     ppb = BK // ps  # pages per key block
     b = lax.axis_index("row")
     h = lax.axis_index("head")
-    if fresh:
+    if fresh is not None:
         *scratch, kvw, w_bar = scratch
     if pair:
         q_all, *mid, lse_all, q_bars, k_bar, v_bar, free_bar, done_bar = scratch
@@ -109,14 +109,17 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
         lead = True
     kend, diag, qpos = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
     r0 = qb * BQ
-    lo, hi = key_range((kend, diag, qpos), t_lo, t_hi, g.window)
+    kend_pages = kend
+    if fresh is not None:
+        start = bounds_ref[b, 3] + fresh
+        kend_pages = jnp.minimum(kend, start)
+    lo, hi = key_range((kend_pages, diag, qpos), t_lo, t_hi, g.window)
     j0, j1 = split_range(lo, hi, BK, s, S)
     jend = j1
-    if fresh:
+    if fresh is not None:
         own = s == S
         j1 = jnp.where(own, j0, j1)  # the fresh split: no page block,
         jend = j1 + own.astype(jnp.int32)  # and the fresh block as j = j0
-        kv_end, m_fresh = bounds_ref[b, 4], bounds_ref[b, 5]
 
     def issue_pages(j, slot):
         for i in range(ppb):
@@ -126,7 +129,7 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
             plgpu.copy_gmem_to_smem(kv_ref.at[page, :, 1, h], v_smem.at[slot, rows], v_bar.at[slot])
 
     def issue(j, slot):  # TMA the K and V slabs of key block j into `slot`
-        if not fresh:
+        if fresh is None:
             return issue_pages(j, slot)
         pl.when(j < j1)(lambda: issue_pages(j, slot))
 
@@ -144,7 +147,7 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
         @pl.when(jnp.logical_and(lead, j0 + st < jend))
         def _(st=st):
             issue(j0 + st, st)
-    if fresh:
+    if fresh is not None:
         @pl.when(jnp.logical_and(own, qb == 0))
         def _():  # the fresh rows, unswizzled, for the page writes
             plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(g.Rp, BK)], kvw.at[0], w_bar)
@@ -190,10 +193,10 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
         else:
             sc = pl.run_scoped(qk, plgpu.ACC((BQ, BK), jnp.float32))
         sc = sc * g.scale
-        if fresh:  # the fresh block's keys are m + c, visible up to kv_len; the pages' below m
+        if fresh is not None:  # the fresh block's keys are start + c, visible below kend; the pages' below start
             is_new = j >= j1
-            kidx = col + jnp.where(is_new, m_fresh, j * BK)
-            ok = visible(kidx, row, (jnp.where(is_new, kv_end, kend), diag, qpos), g.G, g.window)
+            kidx = col + jnp.where(is_new, start, j * BK)
+            ok = visible(kidx, row, (jnp.where(is_new, kend, kend_pages), diag, qpos), g.G, g.window)
         else:
             kidx = col + j * BK
             ok = visible(kidx, row, (kend, diag, qpos), g.G, g.window)
@@ -230,15 +233,18 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
     m = cast(jnp.full((BQ,), NEG, jnp.float32), wg.reduce(1))
     l = cast(jnp.zeros((BQ,), jnp.float32), wg.reduce(1))
     acc, m, l = lax.fori_loop(j0, jend, step, (acc, m, l))
-    if fresh:
+    if fresh is not None:
         @pl.when(jnp.logical_and(own, qb == 0))
         def _():  # the fresh rows to their pages (read back by no CTA of this call: see the docstring)
             plgpu.barrier_wait(w_bar)
             for i in range(g.T):
-                dst = widx_ref[b, i]
-                page, off = lax.div(dst, ps), lax.rem(dst, ps)
-                for c in range(2):
-                    plgpu.copy_smem_to_gmem(kvw.at[c, i], kv_ref.at[page, off, c, h])
+                pos = start + i
+
+                @pl.when(pos < kend)  # tokens at or past kend (padding, rows without tokens) write nothing
+                def _(i=i, pos=pos):
+                    page = pt_ref[b, jnp.minimum(lax.div(pos, ps), g.P - 1)]
+                    for c in range(2):
+                        plgpu.copy_smem_to_gmem(kvw.at[c, i], kv_ref.at[page, lax.rem(pos, ps), c, h])
     if pair:  # the outputs overwrite the key slabs: both warpgroups must be past their last read
         plgpu.barrier_arrive(done_bar)
         plgpu.barrier_wait(done_bar)
@@ -278,12 +284,13 @@ def auto_pair(g: Geometry) -> bool:
 
 
 def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages: int, interpret: bool, bits=None,
-           W: int = 0, pair: bool = False, max_splits: int | None = None, write_idx=None):
-    """write_idx given (fresh): qg is the pack, kv_pages a mutable GMEM ref that the kernel writes."""
+           W: int = 0, pair: bool = False, max_splits: int | None = None, fresh: int | None = None):
+    """fresh (an int: the call's tokens start at m + fresh): qg is the pack, kv_pages a mutable GMEM ref that
+    the kernel writes (`_body`)."""
     plgpu = _plgpu()
     dtype = qg.dtype
-    fresh = write_idx is not None
-    if fresh and (pair or not W):
+    extra = int(fresh is not None)  # the fresh block's split
+    if extra and (pair or not W):
         raise ValueError("paged_attention_mosaic: the fresh block needs unpaired query blocks and a block mask")
     S = num_splits or auto_splits(g, max_splits=max_splits)
     BQ, BK = g.block_q, _block_kv(g.ps)
@@ -303,20 +310,19 @@ def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages:
     else:
         scratch = [plgpu.SMEM((BQ, g.D), dtype, transforms=tr), *kv, plgpu.SMEM((BQ, g.D), jnp.float32),
                    plgpu.SMEM((BQ,), jnp.float32), plgpu.Barrier(num_arrivals=1), *tma_bars]
-        grid, threads, scoped = (g.B, g.Hkv, g.num_q_blocks * (S + fresh)), {}, {}
-    if fresh:  # the fresh K / V rows unswizzled (row copies to the pages) and their barrier
+        grid, threads, scoped = (g.B, g.Hkv, g.num_q_blocks * (S + extra)), {}, {}
+    if extra:  # the fresh K / V rows unswizzled (row copies to the pages) and their barrier
         scratch += [plgpu.SMEM((2, BK, g.D), dtype), plgpu.Barrier(num_arrivals=2)]
 
     def entry(bounds_ref, pt_ref, q_ref, kv_ref, *rest):
         rest = list(rest)
         bits_ref = rest.pop(0) if W else None
-        widx_ref = rest.pop(0) if fresh else None
         o_ref, lse_ref = rest
         pl.run_scoped(lambda *sc: _body(g, S, stages, dtype, interpret, W, pair, fresh, bounds_ref, pt_ref, q_ref,
-                                        kv_ref, bits_ref, widx_ref, o_ref, lse_ref, sc), *scratch, **scoped)
+                                        kv_ref, bits_ref, o_ref, lse_ref, sc), *scratch, **scoped)
 
     kw = {} if not interpret else {"interpret": interpret_params("paged_attention_mosaic")}
-    Sp = S + fresh
+    Sp = S + extra
     o, lse = pl.kernel(
         entry,
         out_type=[jax.ShapeDtypeStruct((g.B, g.Hkv, Sp, _out_rows(g), g.D), jnp.float32),
@@ -324,7 +330,7 @@ def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages:
         mesh=plgpu.Mesh(grid=grid, grid_names=("row", "head", "qs"), **threads),
         name="paged_attention_mosaic",
         **kw,
-    )(bounds, page_table, qg, kv_pages, *([bits] if W else []), *([write_idx] if fresh else []))
+    )(bounds, page_table, qg, kv_pages, *([bits] if W else []))
     return o, lse
 
 
@@ -387,19 +393,19 @@ def _why_not_write(g: Geometry, block_mask, pair: bool) -> str | None:
     return None
 
 
-def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, write_idx, q_start, kv_len, block_mask,
-                                 *, sliding_window=None, scale=None, mask_start=None, num_splits: int | None = None,
-                                 stages: int = 2,
-                                 block_q: int | None = None, block_kv: int | None = None, interpret: bool = False,
-                                 max_splits: int | None = None):
-    """write_kv(kv_pages, k_new, v_new, write_idx) then paged_attention_mosaic(q, ...), as one kernel, for a
-    block-masked call (tree verify, draft growth): the T new tokens (k_new, v_new [B, T, Hkv, D]) attend to
-    the pages below q_start and to their own keys, which the kernel takes from this call's array (one more
-    split; `_body`, fresh) and writes to the pages: XLA's scatter of the rows (a kernel of its own per
-    layer) is gone. The rows' places are the meta's (kv_cache.write_indices): write_idx [B, T] is the flat
-    index of cache entry q_start + i, or the trash page for a token at or past kv_len. Returns
-    (o [B, T, H, D], kv_pages). Calls that `why_not_write` refuses raise a ValueError (the dispatch point
-    asks it first)."""
+def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, q_start, kv_len, block_mask, *,
+                                 sliding_window=None, scale=None, mask_start=None, offset: int | None = None,
+                                 num_splits: int | None = None, stages: int = 2, block_q: int | None = None,
+                                 block_kv: int | None = None, interpret: bool = False, max_splits: int | None = None):
+    """One kernel for a block-masked call (tree verify, draft growth) that writes its new tokens' K / V
+    (k_new, v_new [B, T, Hkv, D]) to the pages, token i at cache entry q_start + i where that is below
+    kv_len (nothing for the others), and then attends as `paged_attention_mosaic`: the same values as
+    write_kv at the meta's indices (kv_cache.write_indices) then the attention. The new keys come from this
+    call's array (one more split; `_body`, fresh), the pages give the keys below q_start; XLA's scatter
+    (a kernel of its own per layer) is gone. offset (static): q_start - mask_start, the same for every row
+    (0 without mask_start; a draft level's s * k): the kernel finds the tokens' place from the bounds that
+    all calls with the same mask_start share. Returns (o [B, T, H, D], kv_pages). Calls that `why_not_write`
+    refuses raise a ValueError (the dispatch point asks it first)."""
     why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
     if why is not None:
         raise ValueError(f"paged_attention_write_mosaic: {why}")
@@ -410,23 +416,23 @@ def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, write_id
     why = _why_not_write(g, block_mask, auto_pair(g))
     if why is not None:
         raise ValueError(f"paged_attention_write_mosaic: {why}")
-    if k_new.shape != (g.B, g.T, g.Hkv, g.D) or v_new.shape != k_new.shape or write_idx.shape != (g.B, g.T):
+    if k_new.shape != (g.B, g.T, g.Hkv, g.D) or v_new.shape != k_new.shape:
         raise ValueError(f"paged_attention_write_mosaic: k_new / v_new {tuple(k_new.shape)} / {tuple(v_new.shape)} "
-                         f"and write_idx {tuple(write_idx.shape)} must be [B, T, Hkv, D] = {(g.B, g.T, g.Hkv, g.D)} "
-                         f"and [B, T]")
+                         f"must be [B, T, Hkv, D] = {(g.B, g.T, g.Hkv, g.D)}")
+    if mask_start is None:
+        offset = 0 if offset is None else offset
+    if offset is None or not 0 <= offset <= block_mask.shape[2]:
+        raise ValueError(f"paged_attention_write_mosaic: offset = q_start - mask_start must be a static int in "
+                         f"[0, W = {block_mask.shape[2]}], got {offset!r}")
     BK = _block_kv(g.ps)
     dtype = kv_pages.dtype
 
     def rows(x):  # [B, T, Hkv, D] -> [B, Hkv, BK, D], zero rows past T (finite: their p is 0)
         return jnp.pad(x.astype(dtype).transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, BK - g.T), (0, 0)))
     pack = jnp.concatenate([group_queries(q, g).astype(dtype), rows(k_new), rows(v_new)], axis=2)
-    b4 = block_bounds(q_start, kv_len, mask_start, g)  # (kend, diag, qpos, m)
-    kv_end, start = b4[:, 0], q_start.astype(jnp.int32)  # the pages give the keys below q_start
-    bounds = jnp.concatenate([b4.at[:, 0].set(jnp.minimum(kv_end, start)), kv_end[:, None], start[:, None]], axis=1)
     kv_ref = jax.new_ref(kv_pages, memory_space=_plgpu().GMEM)
-    o, lse = _paged(pack, kv_ref, page_table.astype(jnp.int32), bounds, g, num_splits=num_splits, stages=stages,
-                    interpret=interpret, max_splits=max_splits, bits=pack_block_rows(block_mask, g),
-                    W=block_mask.shape[2],
-                    write_idx=write_idx.astype(jnp.int32))
+    o, lse = _paged(pack, kv_ref, page_table.astype(jnp.int32), block_bounds(q_start, kv_len, mask_start, g), g,
+                    num_splits=num_splits, stages=stages, interpret=interpret, max_splits=max_splits,
+                    bits=pack_block_rows(block_mask, g), W=block_mask.shape[2], fresh=offset)
     out = ungroup(combine([(o[:, :, :, : g.R], lse[:, :, :, : g.R])]), g, q.dtype)
     return out, kv_ref[...]

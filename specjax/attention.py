@@ -110,12 +110,12 @@ def _tuning(impl: AttnImpl) -> dict:
     return dict(kw, interpret=impl.interpret)
 
 
-def _lowered_once(kernel):
+def _lowered_once(kernel, static: tuple[str, ...] = ()):
     """A kernel wrapper as a jitted function: every call site with the same shapes (the layers of a
     model, the steps of a loop) shares one lowering. Called inline, each call site lowered the kernel
     again into its own copy: 30 layers made the engine's decode program take 24 s and its prefill
     36 s to compile on an H100 (SmolLM2, Mosaic GPU; docs/benchmarks.md)."""
-    return jax.jit(kernel, static_argnames=("sliding_window",))
+    return jax.jit(kernel, static_argnames=("sliding_window",) + static)
 
 
 def _pallas(impl):
@@ -179,25 +179,25 @@ def _writer(impl: AttnImpl):
     if impl.name != "mosaic_gpu":
         return None
     from pallas_kernels.paged_attention_mosaic import paged_attention_write_mosaic
-    return _lowered_once(functools.partial(paged_attention_write_mosaic, **_tuning(impl)))
+    return _lowered_once(functools.partial(paged_attention_write_mosaic, **_tuning(impl)), static=("offset",))
 
 
 def write_and_attend(q, k, v, kv_pages, meta, impl: AttnImpl = REFERENCE, *, sliding_window=None):
     """The new tokens' K / V [B, T, Hkv, D] written at meta.write_idx, then q [B, T, H, D] attends as in
     `attend`. Returns (o [B, T, H, D], kv_pages). Where impl has a kernel that does both and the call is
-    a tree verify's (block-masked from q_start: mask_start None), one launch: the Mosaic GPU kernel takes
-    the new rows from its input and writes them itself (XLA's scatter, one kernel per layer, is gone);
-    otherwise `write_kv` then `attend` (same values: the kernel's tests compare the two). Draft levels
-    (mask_start set) could take the kernel too, but their bounds then differ per level (q_start), one
-    more small kernel each for the scatter saved (SmolLM2's fused step counted compile-only: 509 either
-    way), so they keep the scatter."""
-    writer = _writer(impl) if meta.mask_start is None else None
+    block-masked (tree verify; draft growth, whose meta knows q_start - mask_start when tracing: offset),
+    one launch: the Mosaic GPU kernel takes the new rows from its input and writes them itself (XLA's
+    scatter, one kernel per layer, is gone); otherwise `write_kv` then `attend` (same values: the
+    kernel's tests compare the two). The kernel writes token i at q_start + i below kv_len, as the
+    meta's write_idx does (kv_cache.meta_at)."""
+    offset = 0 if meta.mask_start is None else getattr(meta, "offset", None)
+    writer = _writer(impl) if offset is not None else None
     if writer is not None:
         from pallas_kernels.paged_attention_mosaic import why_not_write
         if why_not_write(q, kv_pages, meta.page_table, meta.block_mask, impl.block_q) is None:
             fn = _writer(_capped(impl))
-            return fn(q, k, v, kv_pages, meta.page_table, meta.write_idx, meta.q_start, meta.kv_len,
-                      meta.block_mask, sliding_window=sliding_window, mask_start=meta.mask_start)
+            return fn(q, k, v, kv_pages, meta.page_table, meta.q_start, meta.kv_len, meta.block_mask,
+                      sliding_window=sliding_window, mask_start=meta.mask_start, offset=offset)
     kv_pages = write_kv(kv_pages, k, v, meta.write_idx)
     return attend(q, kv_pages, meta, impl, sliding_window=sliding_window), kv_pages
 

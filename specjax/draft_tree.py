@@ -185,7 +185,7 @@ def grow(info, spec, draft, target, kv, pt, ps, act, root, L, Ld, h_last, logits
         # level's are no node's ancestors (their block-mask bits are 0), and the levels' attention bounds
         # are then one array
         meta = dataclasses.replace(meta_at(pt, Ld + s * k, act * k, k, ps, block_mask=anc, mask_start=Ld),
-                                   kv_len=kv_end)
+                                   kv_len=kv_end, offset=s * k)
         feat, kv = drafter.forward(info, draft, target, ftok, pos, feat, kv, pt, meta)  # [B, k, E]
         lg = drafter.logits(info, draft, target, feat)  # [B, k, Vd]
         if pen_rows is not None:

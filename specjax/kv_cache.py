@@ -47,6 +47,8 @@ class AttnMeta:
     block_mask: jax.Array | None = None  # [B, T, W] bool: new token i sees cache entry mask_start + j
     #                                        (None: causal over the T new tokens)
     mask_start: jax.Array | None = None  # [B] int32 first cache index governed by block_mask (None: q_start)
+    offset: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # q_start - mask_start
+    #   where it is the same for every row and known when tracing (a draft level's s * k), else None
 
 
 def init_cache(cfg, *, num_pages: int, page_size: int, max_slots: int, max_seq_len: int, dtype) -> KVCache:

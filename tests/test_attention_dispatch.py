@@ -192,25 +192,26 @@ def test_splits_at_most_caps_the_splitting_kernels_while_tracing(monkeypatch):
                     attention.REFERENCE, pallas]
 
 
-def test_write_and_attend_fuses_the_write_for_tree_verifies_only():
-    """write_and_attend: the Mosaic GPU impl takes a tree verify's write into its kernel (one launch, the
-    scatter gone); draft growth (mask_start: per-level bounds would cost what the scatter saves), causal
-    calls (prefill, decode) and other impls write with write_kv then attend. The values of the two ways:
-    test_mosaic_interpreted_write_and_attend (verify and growth)."""
+def test_write_and_attend_fuses_the_write_for_block_masked_calls():
+    """write_and_attend: the Mosaic GPU impl takes a block-masked call's write into its kernel (one launch,
+    the scatter gone): a tree verify, a draft level whose meta knows q_start - mask_start (offset); a growth
+    meta without it, causal calls (prefill, decode) and other impls write with write_kv then attend. The
+    values of the two ways: test_mosaic_interpreted_write_and_attend (verify and growth)."""
     from specjax.kv_cache import write_kv
     rng = np.random.default_rng(4)
     q, kv, pt, qs, kl, mask = _case(rng, T=5, tree=True)
     k, v = (jnp.asarray(rng.normal(size=(3, 5, 2, 64)), jnp.bfloat16) for _ in range(2))
     widx = jnp.asarray(rng.permutation(kv.shape[0] * kv.shape[1])[:15].reshape(3, 5), jnp.int32)
 
-    def meta(block_mask, mask_start=None):
+    def meta(block_mask, mask_start=None, offset=None):
         return types.SimpleNamespace(page_table=pt, q_start=qs, kv_len=kl, write_idx=widx, block_mask=block_mask,
-                                     mask_start=mask_start)
+                                     mask_start=mask_start, offset=offset)
 
     def text(impl, m):
         return str(jax.make_jaxpr(lambda *a: attention.write_and_attend(*a, m, impl))(q, k, v, kv))
     mosaic = AttnImpl("mosaic_gpu", interpret=True)
     assert "paged_attention_write_mosaic" in text(mosaic, meta(mask))
+    assert "paged_attention_write_mosaic" in text(mosaic, meta(mask, mask_start=qs, offset=0))
     for impl, m in [(mosaic, meta(mask, mask_start=qs)), (mosaic, meta(None)), (AttnImpl(), meta(mask))]:
         t = text(impl, m)
         assert "paged_attention_write_mosaic" not in t and "scatter" in t

@@ -144,8 +144,11 @@ def test_mosaic_interpreted_write_and_attend(mode, T, H, Hkv, num_splits, seed):
     widx = write_indices(case.page_table, case.q_start, jnp.asarray(case.num_new, jnp.int32), T, 16)
     want_pages = write_kv(case.kv_pages, k_new, v_new, widx)
     want = _ref(dataclasses.replace(case, kv_pages=want_pages))
-    got, pages = jax.jit(functools.partial(paged_attention_write_mosaic, interpret=True, num_splits=num_splits))(
-        case.q, k_new, v_new, case.kv_pages, case.page_table, widx, case.q_start, case.kv_len, case.block_mask,
+    offset = None if case.mask_start is None else int(case.q_start[0] - case.mask_start[0])  # 3 earlier levels
+    assert case.mask_start is None or (np.asarray(case.q_start - case.mask_start) == offset).all()
+    got, pages = jax.jit(functools.partial(paged_attention_write_mosaic, interpret=True, num_splits=num_splits,
+                                           offset=offset))(
+        case.q, k_new, v_new, case.kv_pages, case.page_table, case.q_start, case.kv_len, case.block_mask,
         mask_start=case.mask_start)
     assert got.dtype == jnp.bfloat16 and pages.shape == case.kv_pages.shape
     assert_valid_close(got, want, case.num_new, atol=3e-2)

@@ -191,8 +191,7 @@ def test_write_kernel_lowers_for_cuda():
     from pallas_kernels.paged_attention_mosaic import paged_attention_write_mosaic
     q, kv, pt, qs, kl, mask = _engine_shapes(jnp.bfloat16, 17, True)
     new = _sds((4, 17, 8, 128), jnp.bfloat16)
-    exp = export.export(jax.jit(paged_attention_write_mosaic), platforms=("cuda",))(
-        q, new, new, kv, pt, _sds((4, 17), jnp.int32), qs, kl, mask)
+    exp = export.export(jax.jit(paged_attention_write_mosaic), platforms=("cuda",))(q, new, new, kv, pt, qs, kl, mask)
     assert "mosaic_gpu" in exp.mlir_module()
     assert [a.shape for a in exp.out_avals] == [q.shape, kv.shape]
 
@@ -216,11 +215,14 @@ def test_write_kernel_takes_block_masked_calls_only():
     assert "paired" in why_not_write(*big, _sds((40, 17, 17), jnp.bool_))  # 640 CTAs: the blocks pair
     new = _sds((4, 3, 2, 64), bf)
     with pytest.raises(ValueError, match="causal calls"):
-        jax.eval_shape(paged_attention_write_mosaic, q(3), new, new, kv, pt, _sds((4, 3), jnp.int32), rows, rows,
-                       None)
+        jax.eval_shape(paged_attention_write_mosaic, q(3), new, new, kv, pt, rows, rows, None)
     with pytest.raises(ValueError, match=r"must be \[B, T, Hkv, D\]"):
-        jax.eval_shape(paged_attention_write_mosaic, q(3), _sds((4, 3, 1, 64), bf), new, kv, pt,
-                       _sds((4, 3), jnp.int32), rows, rows, _sds((4, 3, 3), jnp.bool_))
+        jax.eval_shape(paged_attention_write_mosaic, q(3), _sds((4, 3, 1, 64), bf), new, kv, pt, rows, rows,
+                       _sds((4, 3, 3), jnp.bool_))
+    grow = _sds((4, 3, 12), jnp.bool_)
+    with pytest.raises(ValueError, match="offset = q_start - mask_start must be a static int"):  # growth, no offset
+        jax.eval_shape(functools.partial(paged_attention_write_mosaic, mask_start=rows), q(3), new, new, kv, pt,
+                       rows, rows, grow)
 
 
 def _hopper() -> bool:
@@ -241,7 +243,7 @@ def test_write_kernel_on_gpu(T, H, Hkv):
     widx = write_indices(case.page_table, case.q_start, jnp.asarray(case.num_new, jnp.int32), T, 16)
     want_pages = write_kv(case.kv_pages, k_new, v_new, widx)
     want = paged_attention_reference(case.q, want_pages, case.page_table, case.q_start, case.kv_len, case.block_mask)
-    got, pages = jax.jit(paged_attention_write_mosaic)(case.q, k_new, v_new, case.kv_pages, case.page_table, widx,
+    got, pages = jax.jit(paged_attention_write_mosaic)(case.q, k_new, v_new, case.kv_pages, case.page_table,
                                                        case.q_start, case.kv_len, case.block_mask)
     assert_valid_close(got, want, case.num_new, atol=3e-2)
     np.testing.assert_array_equal(np.asarray(pages.astype(jnp.float32))[1:],
