@@ -187,7 +187,7 @@ def build(shape: str, batch: int, steps: int, pages_per_row: int = 8, page_size:
     if gpu:  # the engine's choices on a Hopper GPU (specjax.attention.resolve, specjax.kernels)
         device = compile_only_device(target)
         sharding = jax.sharding.SingleDeviceSharding(device)
-        mosaic = attn_lib.AttnImpl("mosaic_gpu")
+        mosaic = attn_lib.AttnImpl("mosaic_gpu", fuse_write=attn_lib.fuse_write_default())  # $SPECJAX_FUSE_KV_WRITE
         target_model, head = attn_lib.configure(target_model, mosaic), attn_lib.configure(head, mosaic)
         # plain decoding with the Mosaic attention too: a plain engine of one row runs cuDNN's, whose lowering
         # needs the cuDNN library (not part of the plugin), so its attention is not the engine's there

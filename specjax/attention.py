@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 
 import jax
@@ -51,6 +52,7 @@ class AttnImpl:
     block_kv: int | None = None
     num_splits: int | None = None
     max_splits: int | None = None  # at most this many splits where num_splits is None (split_cap)
+    fuse_write: bool = False  # block-masked calls write their K / V inside the kernel (write_and_attend)
 
 
 REFERENCE = AttnImpl()
@@ -102,6 +104,21 @@ def paged_attention_cudnn(q, kv_pages, page_table, q_start, kv_len, block_mask=N
                                             implementation="cudnn")
     mask = visibility_mask(q_start, kv_len, S, T, block_mask, sliding_window, mask_start)[:, None]  # [B, 1, T, S]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
+
+
+FUSE_WRITE_ENV = "SPECJAX_FUSE_KV_WRITE"
+FUSE_WRITE_DEFAULT = False  # see fuse_write_default
+
+
+def fuse_write_default() -> bool:
+    """Whether engines' attention writes a block-masked call's K / V inside the Mosaic kernel
+    (write_and_attend): $SPECJAX_FUSE_KV_WRITE = 1 / 0, else FUSE_WRITE_DEFAULT. Measured on an H100
+    (docs/benchmarks.md, session 47): the first version of the kernel cost more than the scatters it
+    removed; the default follows the measurements."""
+    v = os.environ.get(FUSE_WRITE_ENV, "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"${FUSE_WRITE_ENV} must be 0 or 1, got {v!r}")
+    return FUSE_WRITE_DEFAULT if v == "" else v == "1"
 
 
 def _tuning(impl: AttnImpl) -> dict:
@@ -191,7 +208,7 @@ def write_and_attend(q, k, v, kv_pages, meta, impl: AttnImpl = REFERENCE, *, sli
     kernel's tests compare the two). The kernel writes token i at q_start + i below kv_len, as the
     meta's write_idx does (kv_cache.meta_at)."""
     offset = 0 if meta.mask_start is None else getattr(meta, "offset", None)
-    writer = _writer(impl) if offset is not None else None
+    writer = _writer(impl) if offset is not None and impl.fuse_write else None
     if writer is not None:
         from pallas_kernels.paged_attention_mosaic import why_not_write
         if why_not_write(q, kv_pages, meta.page_table, meta.block_mask, impl.block_q) is None:
@@ -269,6 +286,7 @@ def resolve(requested: str = "auto", *, dtype, page_size: int, head_dim: int, ba
         order = ("cudnn", "reference")
     checks = {n: checks.get(n, lambda: None) for n in _FACTORIES}  # registered plug-ins: no checks
     choice = choose("attention", requested, order, checks)
+    tuning.setdefault("fuse_write", fuse_write_default())
     return AttnImpl(choice.name, interpret=interpret and choice.name not in ("reference", "cudnn"), **tuning), choice
 
 

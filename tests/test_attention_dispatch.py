@@ -209,13 +209,27 @@ def test_write_and_attend_fuses_the_write_for_block_masked_calls():
 
     def text(impl, m):
         return str(jax.make_jaxpr(lambda *a: attention.write_and_attend(*a, m, impl))(q, k, v, kv))
-    mosaic = AttnImpl("mosaic_gpu", interpret=True)
+    mosaic = AttnImpl("mosaic_gpu", interpret=True, fuse_write=True)
     assert "paged_attention_write_mosaic" in text(mosaic, meta(mask))
     assert "paged_attention_write_mosaic" in text(mosaic, meta(mask, mask_start=qs, offset=0))
-    for impl, m in [(mosaic, meta(mask, mask_start=qs)), (mosaic, meta(None)), (AttnImpl(), meta(mask))]:
+    for impl, m in [(mosaic, meta(mask, mask_start=qs)), (mosaic, meta(None)), (AttnImpl(), meta(mask)),
+                    (dataclasses.replace(mosaic, fuse_write=False), meta(mask))]:
         t = text(impl, m)
         assert "paged_attention_write_mosaic" not in t and "scatter" in t
     o, pages = attention.write_and_attend(q, k, v, kv, meta(mask))  # reference: write_kv, then attend
     np.testing.assert_array_equal(np.asarray(pages, np.float32), np.asarray(write_kv(kv, k, v, widx), np.float32))
     want = paged_attention_reference(q, pages, pt, qs, kl, mask)
     np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(want, np.float32))
+
+
+def test_fuse_write_follows_the_environment(monkeypatch):
+    """resolve's fuse_write: $SPECJAX_FUSE_KV_WRITE (1 / 0) over the default; other values are an error."""
+    kw = dict(dtype=jnp.bfloat16, page_size=16, head_dim=64, backend="cpu")
+    monkeypatch.delenv(attention.FUSE_WRITE_ENV, raising=False)
+    assert attention.resolve(**kw)[0].fuse_write is attention.FUSE_WRITE_DEFAULT
+    for v, want in (("1", True), ("0", False)):
+        monkeypatch.setenv(attention.FUSE_WRITE_ENV, v)
+        assert attention.resolve(**kw)[0].fuse_write is want
+    monkeypatch.setenv(attention.FUSE_WRITE_ENV, "yes")
+    with pytest.raises(ValueError, match="SPECJAX_FUSE_KV_WRITE must be 0 or 1"):
+        attention.resolve(**kw)
