@@ -82,8 +82,8 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
     start + i, start = m + fresh (m = bounds_ref[b, 3]); their K / V rows come in the pack (rows Rp.. and
     Rp + BK..), not from the pages: the S page splits read the keys below start only, split S reads the
     fresh block as its one key block (keys start + c up to kend = bounds_ref[b, 0], masked by the block
-    bits as any key of the block), and its CTAs also write the rows start + i < kend to their pages,
-    which no CTA of this call reads unmasked."""
+    bits as any key of the block), and the CTAs of the (row, KV head) share the writes of the rows
+    start + i < kend to their pages, which no CTA of this call reads unmasked."""
     plgpu = _plgpu()
     BQ, BK, ps = g.block_q, _block_kv(g.ps), g.ps
     ppb = BK // ps  # pages per key block
@@ -148,32 +148,18 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
         def _(st=st):
             issue(j0 + st, st)
     if fresh is not None:
-        @pl.when(own)
-        def _():  # the fresh rows, unswizzled, for the page writes
+        # the T fresh rows go to their pages by all (S + 1) * blocks CTAs of this (row, KV head), row i by
+        # CTA i % that count: a few TMA stores each, after the key loop (64 by one CTA, with a page-table load
+        # per row, cost ~4 us per verify call on an H100); the rows, unswizzled, and their pages load now
+        cta, ncta = s * g.num_q_blocks + qb, (S + 1) * g.num_q_blocks
+        writes = cta < g.T
+
+        @pl.when(writes)
+        def _():
             plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(g.Rp, BK)], kvw.at[0], w_bar)
             plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(g.Rp + BK, BK)], kvw.at[1], w_bar)
-        # the pages the T rows land on, read once (one scalar load per row, in order after the key loop,
-        # cost ~4 us per verify call on an H100)
         p0 = lax.div(start, ps)
         dest_pages = [pt_ref[b, jnp.minimum(p0 + j, g.P - 1)] for j in range(-(-g.T // ps) + 1)]
-
-        @pl.when(own)
-        def _():  # the fresh rows to their pages, issued before the key loop (their stores overlap it); the
-            # fresh split's query-block CTAs share them (row i by CTA i % blocks); no CTA of this call reads
-            # them from the pages unmasked (see the docstring)
-            plgpu.barrier_wait(w_bar)
-            for i in range(g.T):
-                pos = start + i
-                jrel = lax.div(pos, ps) - p0
-                page = dest_pages[0]
-                for j in range(1, len(dest_pages)):
-                    page = jnp.where(jrel == j, dest_pages[j], page)
-
-                # tokens at or past kend (padding, rows without tokens) write nothing
-                @pl.when(jnp.logical_and(pos < kend, qb == i % g.num_q_blocks))
-                def _(i=i, pos=pos, page=page):
-                    for c in range(2):
-                        plgpu.copy_smem_to_gmem(kvw.at[c, i], kv_ref.at[page, lax.rem(pos, ps), c, h])
     plgpu.barrier_wait(q_bar)
 
     wg = plgpu.Layout.WGMMA
@@ -255,6 +241,22 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
     m = cast(jnp.full((BQ,), NEG, jnp.float32), wg.reduce(1))
     l = cast(jnp.zeros((BQ,), jnp.float32), wg.reduce(1))
     acc, m, l = lax.fori_loop(j0, jend, step, (acc, m, l))
+    if fresh is not None:
+        @pl.when(writes)
+        def _():  # no CTA of this call reads these slots from the pages unmasked (see the docstring)
+            plgpu.barrier_wait(w_bar)
+            for i in range(g.T):
+                pos = start + i
+                jrel = lax.div(pos, ps) - p0
+                page = dest_pages[0]
+                for j in range(1, len(dest_pages)):
+                    page = jnp.where(jrel == j, dest_pages[j], page)
+
+                # tokens at or past kend (padding, rows without tokens) write nothing
+                @pl.when(jnp.logical_and(pos < kend, cta == i % ncta))
+                def _(i=i, pos=pos, page=page):
+                    for c in range(2):
+                        plgpu.copy_smem_to_gmem(kvw.at[c, i], kv_ref.at[page, lax.rem(pos, ps), c, h])
     if pair:  # the outputs overwrite the key slabs: both warpgroups must be past their last read
         plgpu.barrier_arrive(done_bar)
         plgpu.barrier_wait(done_bar)
