@@ -229,22 +229,28 @@ def _hopper() -> bool:
     return jax.default_backend() == "gpu" and getattr(jax.devices()[0], "compute_capability", "") >= "9.0"
 
 
-@pytest.mark.parametrize("T,H,Hkv", [(32, 9, 3), (17, 32, 8)])
-def test_write_kernel_on_gpu(T, H, Hkv):
-    """On a Hopper GPU, compiled (not interpreted): the verify kernel that writes its tokens' K / V gives
-    write_kv's pages and the reference's attention over them (SmolLM2's batch-1 tree, an 8B-shaped one)."""
+@pytest.mark.parametrize("mode,T,H,Hkv,P", [("verify", 32, 9, 3, None), ("verify", 17, 32, 8, None),
+                                             ("verify", 32, 9, 3, 160), ("grow", 4, 9, 3, 160)])
+def test_write_kernel_on_gpu(mode, T, H, Hkv, P):
+    """On a Hopper GPU, compiled (not interpreted): the kernel that writes its tokens' K / V gives write_kv's
+    pages and the reference's attention over them (SmolLM2's batch-1 tree, an 8B-shaped one; rows of up to
+    2 560 keys (32 splits); a draft level after three others)."""
     if not _hopper():
         pytest.skip("runs the Mosaic GPU kernel: needs a Hopper GPU")
+    import functools as ft
+
     from pallas_kernels.paged_attention_mosaic import paged_attention_write_mosaic
     from specjax.kv_cache import write_indices, write_kv
-    rng = np.random.default_rng(T)
-    case = make_case(rng, "verify", page_size=16, B=3, T=T, H=H, Hkv=Hkv, D=64, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(T + (P or 0))
+    case = make_case(rng, mode, page_size=16, B=3, T=T, H=H, Hkv=Hkv, D=64, dtype=jnp.bfloat16, P=P)
     k_new, v_new = (jnp.asarray(rng.normal(0, 1, (3, T, Hkv, 64)), jnp.bfloat16) for _ in range(2))
     widx = write_indices(case.page_table, case.q_start, jnp.asarray(case.num_new, jnp.int32), T, 16)
     want_pages = write_kv(case.kv_pages, k_new, v_new, widx)
     want = paged_attention_reference(case.q, want_pages, case.page_table, case.q_start, case.kv_len, case.block_mask)
-    got, pages = jax.jit(paged_attention_write_mosaic)(case.q, k_new, v_new, case.kv_pages, case.page_table,
-                                                       case.q_start, case.kv_len, case.block_mask)
+    offset = None if case.mask_start is None else int(case.q_start[0] - case.mask_start[0])
+    got, pages = jax.jit(ft.partial(paged_attention_write_mosaic, offset=offset))(
+        case.q, k_new, v_new, case.kv_pages, case.page_table, case.q_start, case.kv_len, case.block_mask,
+        mask_start=case.mask_start)
     assert_valid_close(got, want, case.num_new, atol=3e-2)
     np.testing.assert_array_equal(np.asarray(pages.astype(jnp.float32))[1:],
                                   np.asarray(want_pages.astype(jnp.float32))[1:])
