@@ -431,8 +431,10 @@ def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, q_start,
     if k_new.shape != (g.B, g.T, g.Hkv, g.D) or v_new.shape != k_new.shape:
         raise ValueError(f"paged_attention_write_mosaic: k_new / v_new {tuple(k_new.shape)} / {tuple(v_new.shape)} "
                          f"must be [B, T, Hkv, D] = {(g.B, g.T, g.Hkv, g.D)}")
-    if mask_start is None:
+    if mask_start is None:  # the block starts at q_start
         offset = 0 if offset is None else offset
+        if offset != 0:
+            raise ValueError(f"paged_attention_write_mosaic: without mask_start the offset is 0, got {offset!r}")
     if offset is None or not 0 <= offset <= block_mask.shape[2]:
         raise ValueError(f"paged_attention_write_mosaic: offset = q_start - mask_start must be a static int in "
                          f"[0, W = {block_mask.shape[2]}], got {offset!r}")

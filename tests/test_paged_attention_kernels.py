@@ -219,6 +219,9 @@ def test_write_kernel_takes_block_masked_calls_only():
     with pytest.raises(ValueError, match=r"must be \[B, T, Hkv, D\]"):
         jax.eval_shape(paged_attention_write_mosaic, q(3), _sds((4, 3, 1, 64), bf), new, kv, pt, rows, rows,
                        _sds((4, 3, 3), jnp.bool_))
+    with pytest.raises(ValueError, match="without mask_start the offset is 0"):
+        jax.eval_shape(functools.partial(paged_attention_write_mosaic, offset=2), q(3), new, new, kv, pt, rows, rows,
+                       _sds((4, 3, 3), jnp.bool_))
     grow = _sds((4, 3, 12), jnp.bool_)
     with pytest.raises(ValueError, match="offset = q_start - mask_start must be a static int"):  # growth, no offset
         jax.eval_shape(functools.partial(paged_attention_write_mosaic, mask_start=rows), q(3), new, new, kv, pt,
