@@ -362,13 +362,8 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
     pair_blocks: two 64-row query blocks (e.g. a 17-node tree with G = 4) in one CTA of two
     warpgroups that read each key slab once (None: `auto_pair`, where one CTA per block would not
     fit the GPU at once; False: one CTA per block, sharing the pages through L2)."""
-    why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
-    if why is not None:
-        raise ValueError(f"paged_attention_mosaic: {why}")
-    if block_q not in (None,) + BLOCK_QS or block_kv not in (None, _block_kv(kv_pages.shape[1])):
-        raise ValueError(f"paged_attention_mosaic: block_q is one of {BLOCK_QS} and block_kv max(64, page_size); "
-                         f"got block_q={block_q}, block_kv={block_kv}")
-    g = geometry(q, kv_pages, page_table, block_q or _default_block_q(q, kv_pages), sliding_window, scale)
+    g = _checked_geometry("paged_attention_mosaic", q, kv_pages, page_table, block_q, block_kv, sliding_window,
+                          scale)
     if pair_blocks and not can_pair(g):
         raise ValueError(f"paged_attention_mosaic: pair_blocks needs two 64-row query blocks, got {g.R} rows "
                          f"in blocks of {block_q}")
@@ -381,6 +376,16 @@ def paged_attention_mosaic(q, kv_pages, page_table, q_start, kv_len, block_mask=
     o, lse = fn(group_queries(q, g), kv_pages, page_table.astype(jnp.int32), bounds, g,
                 bits=pack_block_rows(block_mask, g), W=block_mask.shape[2])
     return ungroup(combine([(o[:, :, :, : g.R], lse[:, :, :, : g.R])]), g, q.dtype)
+
+
+def _checked_geometry(name: str, q, kv_pages, page_table, block_q, block_kv, sliding_window, scale) -> Geometry:
+    why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
+    if why is not None:
+        raise ValueError(f"{name}: {why}")
+    if block_q not in (None,) + BLOCK_QS or block_kv not in (None, _block_kv(kv_pages.shape[1])):
+        raise ValueError(f"{name}: block_q is one of {BLOCK_QS} and block_kv max(64, page_size); "
+                         f"got block_q={block_q}, block_kv={block_kv}")
+    return geometry(q, kv_pages, page_table, block_q or _default_block_q(q, kv_pages), sliding_window, scale)
 
 
 def _default_block_q(q, kv_pages) -> int:
@@ -418,13 +423,8 @@ def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, q_start,
     (0 without mask_start; a draft level's s * k): the kernel finds the tokens' place from the bounds that
     all calls with the same mask_start share. Returns (o [B, T, H, D], kv_pages). Calls that `why_not_write`
     refuses raise a ValueError (the dispatch point asks it first)."""
-    why = why_not_mosaic(q.dtype, kv_pages.shape[1], q.shape[3])
-    if why is not None:
-        raise ValueError(f"paged_attention_write_mosaic: {why}")
-    if block_q not in (None,) + BLOCK_QS or block_kv not in (None, _block_kv(kv_pages.shape[1])):
-        raise ValueError(f"paged_attention_write_mosaic: block_q is one of {BLOCK_QS} and block_kv max(64, "
-                         f"page_size); got block_q={block_q}, block_kv={block_kv}")
-    g = geometry(q, kv_pages, page_table, block_q or _default_block_q(q, kv_pages), sliding_window, scale)
+    g = _checked_geometry("paged_attention_write_mosaic", q, kv_pages, page_table, block_q, block_kv,
+                          sliding_window, scale)
     why = _why_not_write(g, block_mask, auto_pair(g))
     if why is not None:
         raise ValueError(f"paged_attention_write_mosaic: {why}")
