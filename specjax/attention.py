@@ -203,9 +203,9 @@ def write_and_attend(q, k, v, kv_pages, meta, impl: AttnImpl = REFERENCE, *, sli
     """The new tokens' K / V [B, T, Hkv, D] written at meta.write_idx, then q [B, T, H, D] attends as in
     `attend`. Returns (o [B, T, H, D], kv_pages). Where impl has a kernel that does both, impl.fuse_write
     is on and the call is block-masked (tree verify; draft growth, whose meta knows q_start - mask_start
-    when tracing: offset), one launch: the Mosaic GPU kernel takes the new rows from its input and writes them itself (XLA's
-    scatter, one kernel per layer, is gone); otherwise `write_kv` then `attend` (same values: the
-    kernel's tests compare the two). The kernel writes token i at q_start + i below kv_len, as the
+    when tracing: offset), one launch: the Mosaic GPU kernel takes the new rows from its input and writes
+    them itself (XLA's scatter, one kernel per layer, is gone); otherwise `write_kv` then `attend` (same
+    values: the kernel's tests compare the two). The kernel writes token i at q_start + i below kv_len, as the
     meta's write_idx does (kv_cache.meta_at)."""
     offset = 0 if meta.mask_start is None else getattr(meta, "offset", None)
     if offset is not None and impl.fuse_write and _writer(impl) is not None:
