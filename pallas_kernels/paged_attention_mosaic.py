@@ -47,6 +47,9 @@ MAX_SPLITS = 32
 TARGET_CTAS = 264  # CTAs resident at once on an H100 / H200: 132 SMs x 2 (SMEM ~100-112 KiB each)
 
 
+WRITE_AT = ("end", "start")  # when the write kernel stores its rows (paged_attention_write_mosaic)
+
+
 def why_not_mosaic(dtype, page_size: int, head_dim: int) -> str | None:
     """Why the Mosaic GPU kernel cannot serve this configuration (None: it can)."""
     dtype = jnp.dtype(dtype)
@@ -70,7 +73,7 @@ def _out_rows(g: Geometry) -> int:
 
 
 def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair: bool, fresh: int | None,
-          bounds_ref, pt_ref, q_ref, kv_ref, bits_ref, o_ref, lse_ref, scratch):
+          write_at: str, bounds_ref, pt_ref, q_ref, kv_ref, bits_ref, o_ref, lse_ref, scratch):
     """bounds_ref [B, 4], pt_ref [B, P] int32, q_ref [B, Hkv, Rp, D] (fresh: the pack
     [B, Hkv, Rp + 2 BK, D]), kv_ref [N, ps, 2, Hkv, D] (GMEM); o_ref [B, Hkv, S', R', D] f32, lse_ref
     [B, Hkv, S', R'] f32 (GMEM; R' = _out_rows; S' = S, or S + 1 with a fresh block).
@@ -161,6 +164,25 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
             plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(g.Rp + BK, BK)], kvw.at[1], w_bar)
         p0 = lax.div(start, ps)
         dest_pages = [pt_ref[b, jnp.minimum(p0 + j, g.P - 1)] for j in range(-(-g.T // ps) + 1)]
+
+        def write_rows():  # no CTA of this call reads these slots from the pages unmasked (see the docstring)
+            @pl.when(writes)
+            def _():
+                plgpu.barrier_wait(w_bar)
+                for i in range(g.T):
+                    pos = start + i
+                    jrel = lax.div(pos, ps) - p0
+                    page = dest_pages[0]
+                    for j in range(1, len(dest_pages)):
+                        page = jnp.where(jrel == j, dest_pages[j], page)
+
+                    # tokens at or past kend (padding, rows without tokens) write nothing
+                    @pl.when(jnp.logical_and(pos < kend, cta == i % ncta))
+                    def _(i=i, pos=pos, page=page):
+                        for c in range(2):
+                            plgpu.copy_smem_to_gmem(kvw.at[c, i], kv_ref.at[page, lax.rem(pos, ps), c, h])
+        if write_at == "start":  # the stores run beside the key loop (the final wait covers them)
+            write_rows()
     plgpu.barrier_wait(q_bar)
 
     wg = plgpu.Layout.WGMMA
@@ -242,22 +264,8 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
     m = cast(jnp.full((BQ,), NEG, jnp.float32), wg.reduce(1))
     l = cast(jnp.zeros((BQ,), jnp.float32), wg.reduce(1))
     acc, m, l = lax.fori_loop(j0, jend, step, (acc, m, l))
-    if fresh is not None:
-        @pl.when(writes)
-        def _():  # no CTA of this call reads these slots from the pages unmasked (see the docstring)
-            plgpu.barrier_wait(w_bar)
-            for i in range(g.T):
-                pos = start + i
-                jrel = lax.div(pos, ps) - p0
-                page = dest_pages[0]
-                for j in range(1, len(dest_pages)):
-                    page = jnp.where(jrel == j, dest_pages[j], page)
-
-                # tokens at or past kend (padding, rows without tokens) write nothing
-                @pl.when(jnp.logical_and(pos < kend, cta == i % ncta))
-                def _(i=i, pos=pos, page=page):
-                    for c in range(2):
-                        plgpu.copy_smem_to_gmem(kvw.at[c, i], kv_ref.at[page, lax.rem(pos, ps), c, h])
+    if fresh is not None and write_at == "end":
+        write_rows()
     if pair:  # the outputs overwrite the key slabs: both warpgroups must be past their last read
         plgpu.barrier_arrive(done_bar)
         plgpu.barrier_wait(done_bar)
@@ -297,7 +305,8 @@ def auto_pair(g: Geometry) -> bool:
 
 
 def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages: int, interpret: bool, bits=None,
-           W: int = 0, pair: bool = False, max_splits: int | None = None, fresh: int | None = None):
+           W: int = 0, pair: bool = False, max_splits: int | None = None, fresh: int | None = None,
+           write_at: str = "end"):
     """fresh (an int: the call's tokens start at m + fresh): qg is the pack, kv_pages a mutable GMEM ref that
     the kernel writes (`_body`)."""
     plgpu = _plgpu()
@@ -331,8 +340,8 @@ def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages:
         rest = list(rest)
         bits_ref = rest.pop(0) if W else None
         o_ref, lse_ref = rest
-        pl.run_scoped(lambda *sc: _body(g, S, stages, dtype, interpret, W, pair, fresh, bounds_ref, pt_ref, q_ref,
-                                        kv_ref, bits_ref, o_ref, lse_ref, sc), *scratch, **scoped)
+        pl.run_scoped(lambda *sc: _body(g, S, stages, dtype, interpret, W, pair, fresh, write_at, bounds_ref,
+                                        pt_ref, q_ref, kv_ref, bits_ref, o_ref, lse_ref, sc), *scratch, **scoped)
 
     kw = {} if not interpret else {"interpret": interpret_params("paged_attention_mosaic")}
     Sp = S + extra
@@ -414,7 +423,8 @@ def _why_not_write(g: Geometry, block_mask, pair: bool) -> str | None:
 def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, q_start, kv_len, block_mask, *,
                                  sliding_window=None, scale=None, mask_start=None, offset: int | None = None,
                                  num_splits: int | None = None, stages: int = 2, block_q: int | None = None,
-                                 block_kv: int | None = None, interpret: bool = False, max_splits: int | None = None):
+                                 block_kv: int | None = None, interpret: bool = False, max_splits: int | None = None,
+                                 write_at: str = "end"):
     """One kernel for a block-masked call (tree verify, draft growth) that writes its new tokens' K / V
     (k_new, v_new [B, T, Hkv, D]) to the pages, token i at cache entry q_start + i where that is below
     kv_len (nothing for the others), and then attends as `paged_attention_mosaic`: the same values as
@@ -423,7 +433,8 @@ def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, q_start,
     (a kernel of its own per layer) is gone. offset (static): q_start - mask_start, the same for every row
     (0 without mask_start; a draft level's s * k): the kernel finds the tokens' place from the bounds that
     all calls with the same mask_start share. Returns (o [B, T, H, D], kv_pages). Calls that `why_not_write`
-    refuses raise a ValueError (the dispatch point asks it first)."""
+    refuses raise a ValueError (the dispatch point asks it first). write_at: "end" (the rows are stored after
+    each CTA's key loop) or "start" (before it, the stores in flight during the loop): the same pages."""
     g = _checked_geometry("paged_attention_write_mosaic", q, kv_pages, page_table, block_q, block_kv,
                           sliding_window, scale)
     why = _why_not_write(g, block_mask, auto_pair(g))
@@ -439,6 +450,8 @@ def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, q_start,
     if offset is None or not 0 <= offset <= block_mask.shape[2]:
         raise ValueError(f"paged_attention_write_mosaic: offset = q_start - mask_start must be a static int in "
                          f"[0, W = {block_mask.shape[2]}], got {offset!r}")
+    if write_at not in WRITE_AT:
+        raise ValueError(f"paged_attention_write_mosaic: write_at is one of {WRITE_AT}, got {write_at!r}")
     BK = _block_kv(g.ps)
     dtype = kv_pages.dtype
 
@@ -448,6 +461,6 @@ def paged_attention_write_mosaic(q, k_new, v_new, kv_pages, page_table, q_start,
     kv_ref = jax.new_ref(kv_pages, memory_space=_plgpu().GMEM)
     o, lse = _paged(pack, kv_ref, page_table.astype(jnp.int32), block_bounds(q_start, kv_len, mask_start, g), g,
                     num_splits=num_splits, stages=stages, interpret=interpret, max_splits=max_splits,
-                    bits=pack_block_rows(block_mask, g), W=block_mask.shape[2], fresh=offset)
+                    bits=pack_block_rows(block_mask, g), W=block_mask.shape[2], fresh=offset, write_at=write_at)
     out = ungroup(combine([(o[:, :, :, : g.R], lse[:, :, :, : g.R])]), g, q.dtype)
     return out, kv_ref[...]

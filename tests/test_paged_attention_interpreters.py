@@ -122,17 +122,18 @@ def test_mosaic_interpreted_smollm2_geometry(mode, T, seed):
     assert_valid_close(got, want, case.num_new, atol=3e-2)
 
 
-WRITE_CASES = [  # (mode, T, H, Hkv, num_splits, seed): block-masked calls whose K / V the kernel writes itself
-    ("verify", 17, 4, 2, 2, 11),  # two 64-row query blocks
-    ("verify", 32, 9, 3, None, 12),  # SmolLM2's geometry, the engine's batch-1 tree (7/4/24 + a branch of 7)
-    ("verify", 40, 4, 1, 1, 13),  # two mask words per row, one page split
-    ("grow", 4, 9, 3, 2, 14),  # a draft level: earlier levels' entries from the pages, its own from the call
+WRITE_CASES = [  # (mode, T, H, Hkv, num_splits, seed, write_at): block-masked calls whose K / V the kernel writes
+    ("verify", 17, 4, 2, 2, 11, "end"),  # two 64-row query blocks
+    ("verify", 32, 9, 3, None, 12, "end"),  # SmolLM2's geometry, the engine's batch-1 tree (7/4/24 + a branch of 7)
+    ("verify", 32, 9, 3, 2, 15, "start"),  # the rows stored before the key loop
+    ("verify", 40, 4, 1, 1, 13, "end"),  # two mask words per row, one page split
+    ("grow", 4, 9, 3, 2, 14, "end"),  # a draft level: earlier levels' entries from the pages, its own from the call
 ]
 
 
 @needs_gpu_interpreter
-@pytest.mark.parametrize("mode,T,H,Hkv,num_splits,seed", WRITE_CASES)
-def test_mosaic_interpreted_write_and_attend(mode, T, H, Hkv, num_splits, seed):
+@pytest.mark.parametrize("mode,T,H,Hkv,num_splits,seed,write_at", WRITE_CASES)
+def test_mosaic_interpreted_write_and_attend(mode, T, H, Hkv, num_splits, seed, write_at):
     """paged_attention_write_mosaic = write_kv then the reference: the new tokens' keys come from the call's
     own rows (the pages at those slots hold other values, make_case's garbage), the rows land on their
     pages (every page but the trash page equal to write_kv's), padding tokens and the empty row included."""
@@ -147,7 +148,7 @@ def test_mosaic_interpreted_write_and_attend(mode, T, H, Hkv, num_splits, seed):
     offset = None if case.mask_start is None else int(case.q_start[0] - case.mask_start[0])  # 3 earlier levels
     assert case.mask_start is None or (np.asarray(case.q_start - case.mask_start) == offset).all()
     got, pages = jax.jit(functools.partial(paged_attention_write_mosaic, interpret=True, num_splits=num_splits,
-                                           offset=offset))(
+                                           offset=offset, write_at=write_at))(
         case.q, k_new, v_new, case.kv_pages, case.page_table, case.q_start, case.kv_len, case.block_mask,
         mask_start=case.mask_start)
     assert got.dtype == jnp.bfloat16 and pages.shape == case.kv_pages.shape

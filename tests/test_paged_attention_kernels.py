@@ -226,6 +226,9 @@ def test_write_kernel_takes_block_masked_calls_only():
     with pytest.raises(ValueError, match="offset = q_start - mask_start must be a static int"):  # growth, no offset
         jax.eval_shape(functools.partial(paged_attention_write_mosaic, mask_start=rows), q(3), new, new, kv, pt,
                        rows, rows, grow)
+    with pytest.raises(ValueError, match="write_at is one of"):
+        jax.eval_shape(functools.partial(paged_attention_write_mosaic, write_at="later"), q(3), new, new, kv, pt,
+                       rows, rows, _sds((4, 3, 3), jnp.bool_))
 
 
 def _hopper() -> bool:
