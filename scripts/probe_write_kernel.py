@@ -3,7 +3,9 @@ scatter, then the kernel that only reads), at the default model's batch-1 verify
 3 KV heads, head_dim 64, pages of 16, a 32-node tree; two rows, the second empty, as with row hand-over).
 
 Each variant runs as a model step runs it: LAYERS dependent calls in one jitted program (each call's query
-depends on the previous output, the pages are threaded through), median of REPS programs, divided by LAYERS:
+depends on the previous output, the pages are threaded through; one lowering of the kernel for all calls). Per
+layer: the wall time (median of REPS programs; host launch costs included) and, on a GPU, the device's kernel
+time from a profiler trace (all kernels of the program: the attention kernel, scatters, the rest):
 
     scatter      write_kv, then paged_attention_mosaic (the engine's default)
     write_end    paged_attention_write_mosaic, rows stored after each CTA's key loop (write_at="end")
@@ -58,17 +60,22 @@ def make(ctx: int, T: int, H: int, Hkv: int, D: int, ps: int, seed: int = 0):
 
 def one_call(variant: str, ps: int, interpret: bool, max_splits):
     """(q, k, v, pages, table, q_start, kv_len, num_new, mask) -> (out [B, T, H, D], pages)."""
+    import jax
+
     from pallas_kernels.paged_attention_mosaic import paged_attention_mosaic, paged_attention_write_mosaic
     from specjax.kv_cache import write_indices, write_kv
     kw = dict(interpret=interpret, max_splits=max_splits)
 
+    write = jax.jit(functools.partial(paged_attention_write_mosaic, offset=0, write_at=variant[len("write_"):], **kw)
+                    ) if variant.startswith("write_") else None
+    read = jax.jit(functools.partial(paged_attention_mosaic, **kw))  # one lowering for all layers, as the engine's
+
     def call(q, k, v, pages, table, q_start, kv_len, num_new, mask):
-        if variant.startswith("write_"):
-            return paged_attention_write_mosaic(q, k, v, pages, table, q_start, kv_len, mask, offset=0,
-                                                write_at=variant[len("write_"):], **kw)
+        if write is not None:
+            return write(q, k, v, pages, table, q_start, kv_len, mask)
         if variant == "scatter":
             pages = write_kv(pages, k, v, write_indices(table, q_start, num_new, q.shape[1], ps))
-        return paged_attention_mosaic(q, pages, table, q_start, kv_len, mask, **kw), pages
+        return read(q, pages, table, q_start, kv_len, mask), pages
     return call
 
 
@@ -82,6 +89,28 @@ def chained(call, layers: int):
             out, pages = call(q + (1e-3 * out).astype(q.dtype), k, v, pages, *rest)
         return out.astype(jnp.float32).sum(), pages
     return jax.jit(run, donate_argnums=(3,))
+
+
+def device_time(f, args, layers: int, reps: int = 5) -> dict:
+    """Kernel time per layer on the device (a jax.profiler trace of reps programs): all kernels, and by kind."""
+    import tempfile
+
+    import jax
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from profile_step import kernel_events
+    tdir = tempfile.mkdtemp(prefix="probe_write_")
+    with jax.profiler.trace(tdir):
+        for _ in range(reps):
+            fresh = [jax.numpy.array(v) for v in args]
+            jax.block_until_ready(f(*fresh))
+    evs, on_device = kernel_events(tdir)
+    kinds: dict[str, float] = {}
+    for name, ns, _module, _op in evs:
+        kind = "attention" if "paged_attention" in name else "scatter" if "scatter" in name else "other"
+        kinds[kind] = kinds.get(kind, 0.0) + ns / 1e3 / reps / layers
+    return dict(device_us_per_layer=round(sum(kinds.values()), 2), on_device=on_device,
+                **{f"{k}_us": round(v, 2) for k, v in sorted(kinds.items())},
+                kernels_per_layer=round(len(evs) / reps / layers, 2))
 
 
 def main(argv=None) -> int:
@@ -127,8 +156,10 @@ def main(argv=None) -> int:
                 if r >= 3:
                     ts.append(time.perf_counter() - t0)
             us = statistics.median(ts) * 1e6 / a.layers
-            row = dict(ctx=ctx, variant=variant, max_splits=cap, us_per_layer=round(us, 2), max_err=err,
+            row = dict(ctx=ctx, variant=variant, max_splits=cap, wall_us_per_layer=round(us, 2), max_err=err,
                        pages_equal=same, device=str(jax.devices()[0].device_kind))
+            if not a.interpret:
+                row.update(device_time(f, args, a.layers))
             rows.append(row)
             print(json.dumps(row), flush=True)
             if err > 3e-2 or not same:
