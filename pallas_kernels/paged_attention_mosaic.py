@@ -151,17 +151,22 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
         def _(st=st):
             issue(j0 + st, st)
     if fresh is not None:
-        # the T fresh rows go to their pages by all (S + 1) * blocks CTAs of this (row, KV head), row i by
-        # CTA i % that count: a few TMA stores each, after the key loop (the first version, 64 stores by one
-        # CTA with a page-table load per row, ran ~4 us longer per verify call on an H100 than the kernel
-        # without a fresh block); the rows, unswizzled, and their pages load now
-        cta, ncta = s * g.num_q_blocks + qb, (S + 1) * g.num_q_blocks
-        writes = cta < g.T
+        # the T fresh rows go to their pages by all (S + 1) * blocks CTAs of this (row, KV head), R = rows_per_cta
+        # consecutive rows each (CTA c: rows c R .. c R + R - 1 below T), loaded as one R-row box per K and V (the
+        # box starts at T - R at most, in the K / V regions of the pack): a few TMA stores each (the first
+        # version, 64 stores by one CTA with a page-table load per row, ran ~4 us longer per verify call on an
+        # H100 than the kernel without a fresh block; the second, whose CTAs each loaded all 64 K and V rows,
+        # ~2.4 us); the rows, unswizzled, and their pages load now
+        cta = s * g.num_q_blocks + qb
+        R = rows_per_cta(g, S)
+        first = cta * R
+        lo = jnp.minimum(first, max(g.T - R, 0))  # the box's first row
+        writes = first < g.T
 
         @pl.when(writes)
         def _():
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(g.Rp, BK)], kvw.at[0], w_bar)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(g.Rp + BK, BK)], kvw.at[1], w_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(g.Rp + lo, R)], kvw.at[0], w_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(g.Rp + BK + lo, R)], kvw.at[1], w_bar)
         p0 = lax.div(start, ps)
         dest_pages = [pt_ref[b, jnp.minimum(p0 + j, g.P - 1)] for j in range(-(-g.T // ps) + 1)]
 
@@ -169,7 +174,8 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
             @pl.when(writes)
             def _():
                 plgpu.barrier_wait(w_bar)
-                for i in range(g.T):
+                for r in range(R):
+                    i = first + r
                     pos = start + i
                     jrel = lax.div(pos, ps) - p0
                     page = dest_pages[0]
@@ -177,10 +183,10 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
                         page = jnp.where(jrel == j, dest_pages[j], page)
 
                     # tokens at or past kend (padding, rows without tokens) write nothing
-                    @pl.when(jnp.logical_and(pos < kend, cta == i % ncta))
+                    @pl.when(jnp.logical_and(pos < kend, i < g.T))
                     def _(i=i, pos=pos, page=page):
                         for c in range(2):
-                            plgpu.copy_smem_to_gmem(kvw.at[c, i], kv_ref.at[page, lax.rem(pos, ps), c, h])
+                            plgpu.copy_smem_to_gmem(kvw.at[c, i - lo], kv_ref.at[page, lax.rem(pos, ps), c, h])
         if write_at == "start":  # the stores run beside the key loop (the final wait covers them)
             write_rows()
     plgpu.barrier_wait(q_bar)
@@ -280,6 +286,11 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
     plgpu.wait_smem_to_gmem(0)
 
 
+def rows_per_cta(g: Geometry, S: int) -> int:
+    """Fresh rows each CTA of a (row, KV head) writes (the write kernel: S page splits + the fresh one)."""
+    return -(-g.T // ((S + 1) * g.num_q_blocks))
+
+
 def auto_splits(g: Geometry, target_ctas: int = TARGET_CTAS, max_splits: int | None = None) -> int:
     """Splits of each row's key range so that about target_ctas CTAs run (2 per SM on an H100 /
     H200: 112 KiB of SMEM each at 2 stages and 64 query rows), at most max_splits (None:
@@ -334,7 +345,7 @@ def _paged(qg, kv_pages, page_table, bounds, g: Geometry, *, num_splits, stages:
                    plgpu.SMEM((BQ,), jnp.float32), plgpu.Barrier(num_arrivals=1), *tma_bars]
         grid, threads, scoped = (g.B, g.Hkv, g.num_q_blocks * (S + extra)), {}, {}
     if extra:  # the fresh K / V rows unswizzled (row copies to the pages) and their barrier
-        scratch += [plgpu.SMEM((2, BK, g.D), dtype), plgpu.Barrier(num_arrivals=2)]
+        scratch += [plgpu.SMEM((2, rows_per_cta(g, S), g.D), dtype), plgpu.Barrier(num_arrivals=2)]
 
     def entry(bounds_ref, pt_ref, q_ref, kv_ref, *rest):
         rest = list(rest)
