@@ -112,9 +112,10 @@ FUSE_WRITE_DEFAULT = False  # see fuse_write_default
 
 def fuse_write_default() -> bool:
     """Whether engines' attention writes a block-masked call's K / V inside the Mosaic kernel
-    (write_and_attend): $SPECJAX_FUSE_KV_WRITE = 1 / 0, else FUSE_WRITE_DEFAULT. Measured on an H100
-    (docs/benchmarks.md, session 47): the first version of the kernel cost more than the scatters it
-    removed; the default follows the measurements."""
+    (write_and_attend): $SPECJAX_FUSE_KV_WRITE = 1 / 0, else FUSE_WRITE_DEFAULT. Measured on H100s
+    (docs/benchmarks.md, sessions 47-48): two versions of the kernel cost more than the scatters they
+    removed (6.9 against 4.5 µs per verify call, the step 1 386 against 1 341 µs); the default follows
+    the measurements."""
     v = os.environ.get(FUSE_WRITE_ENV, "").strip()
     if v not in ("", "0", "1"):
         raise ValueError(f"${FUSE_WRITE_ENV} must be 0 or 1, got {v!r}")
