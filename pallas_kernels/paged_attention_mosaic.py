@@ -153,10 +153,11 @@ def _body(g: Geometry, S: int, stages: int, dtype, interpret: bool, W: int, pair
     if fresh is not None:
         # the T fresh rows go to their pages by all (S + 1) * blocks CTAs of this (row, KV head), R = rows_per_cta
         # consecutive rows each (CTA c: rows c R .. c R + R - 1 below T), loaded as one R-row box per K and V (the
-        # box starts at T - R at most, in the K / V regions of the pack): a few TMA stores each (the first
-        # version, 64 stores by one CTA with a page-table load per row, ran ~4 us longer per verify call on an
-        # H100 than the kernel without a fresh block; the second, whose CTAs each loaded all 64 K and V rows,
-        # ~2.4 us); the rows, unswizzled, and their pages load now
+        # box starts at T - R at most, in the K / V regions of the pack): a few TMA stores each, after the key
+        # loop or (write_at "start") before it. Measured per verify call on H100s against the kernel without a
+        # fresh block: the first version (64 stores by one CTA, a page-table load per row) ~4 us longer, the
+        # second (every CTA loaded all 64 K and V rows) ~2.4 us; causes not profiled. The rows, unswizzled,
+        # and their pages load now
         cta = s * g.num_q_blocks + qb
         R = rows_per_cta(g, S)
         first = cta * R
