@@ -1,7 +1,8 @@
 # next GPU job (session 49+), for .devcarry/jobs/: the write kernel's own cost first (no model needed), then the
 # step. (1) the compiled kernel against write_kv + the reference (now with the R-row boxes and write_at="start");
 # (2) device kernel time per layer at the batch-1 verify shape: scatter / write_end / write_start / read_only;
-# (3) only if write_* costs under ~1.3 us per call more than read_only (the pack's saving per call): profiles on / off, then an eval pair;
+# (3) only if a write_* variant takes less device time per layer than scatter (the probe counts the pack, pad and
+# scatter kernels too): profiles on / off, then an eval pair;
 # the profiles dump the GEMM autotuner's picks (two runs of the same code can differ: see the notes).
 export SPECJAX_HOME=/root/sj PYTHONPATH=/tmp/site:$(pwd)
 mkdir -p /root/pack /root/logs; t0=$(date +%s)
