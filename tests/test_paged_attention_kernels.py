@@ -235,16 +235,15 @@ def _hopper() -> bool:
     return jax.default_backend() == "gpu" and getattr(jax.devices()[0], "compute_capability", "") >= "9.0"
 
 
-@pytest.mark.parametrize("mode,T,H,Hkv,P", [("verify", 32, 9, 3, None), ("verify", 17, 32, 8, None),
-                                             ("verify", 32, 9, 3, 160), ("grow", 4, 9, 3, 160)])
-def test_write_kernel_on_gpu(mode, T, H, Hkv, P):
+@pytest.mark.parametrize("mode,T,H,Hkv,P,write_at", [
+    ("verify", 32, 9, 3, None, "end"), ("verify", 17, 32, 8, None, "end"), ("verify", 32, 9, 3, 160, "end"),
+    ("grow", 4, 9, 3, 160, "end"), ("verify", 32, 9, 3, 160, "start")])
+def test_write_kernel_on_gpu(mode, T, H, Hkv, P, write_at):
     """On a Hopper GPU, compiled (not interpreted): the kernel that writes its tokens' K / V gives write_kv's
     pages and the reference's attention over them (SmolLM2's batch-1 tree, an 8B-shaped one; rows of up to
-    2 560 keys (32 splits); a draft level after three others)."""
+    2 560 keys (32 splits); a draft level after three others; the rows stored before the key loop)."""
     if not _hopper():
         pytest.skip("runs the Mosaic GPU kernel: needs a Hopper GPU")
-    import functools as ft
-
     from pallas_kernels.paged_attention_mosaic import paged_attention_write_mosaic
     from specjax.kv_cache import write_indices, write_kv
     rng = np.random.default_rng(T + (P or 0))
@@ -254,7 +253,7 @@ def test_write_kernel_on_gpu(mode, T, H, Hkv, P):
     want_pages = write_kv(case.kv_pages, k_new, v_new, widx)
     want = paged_attention_reference(case.q, want_pages, case.page_table, case.q_start, case.kv_len, case.block_mask)
     offset = None if case.mask_start is None else int(case.q_start[0] - case.mask_start[0])
-    got, pages = jax.jit(ft.partial(paged_attention_write_mosaic, offset=offset))(
+    got, pages = jax.jit(functools.partial(paged_attention_write_mosaic, offset=offset, write_at=write_at))(
         case.q, k_new, v_new, case.kv_pages, case.page_table, case.q_start, case.kv_len, case.block_mask,
         mask_start=case.mask_start)
     assert_valid_close(got, want, case.num_new, atol=3e-2)
