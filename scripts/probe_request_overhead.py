@@ -13,12 +13,15 @@ per request (the prefill alone, no decode dispatch) gives the part of per_reques
 
     python3 scripts/probe_request_overhead.py [--prompts 8] [--lengths 128,256] [--reps 2]
         [--draft DIR | --no-spec] [--no-plain] [--spec-steps-per-call 4] [--admit-ahead on|off|both]
+        [--sets "mt_bench,sum" | "sum;mt_bench"] [--max-chars 1500 | 0]
 
 --admit-ahead both times each engine with admission ahead (SchedulerOptions.admit_ahead, specjax.engine_ahead)
 and without it, on the same compiled programs (the option is read every step): labels `plain` /
 `plain-noahead`, `spec` / `spec-noahead`.
 
-Prompts: halves of mt_bench and sum from specjax/assets/prompts (chat template applied). Each length
+Prompts: halves of mt_bench and sum from specjax/assets/prompts (chat template applied), cut to 1 500
+characters; `--sets "sum;mt_bench" --max-chars 0` probes the whole sum prompts (the eval's long ones) and
+mt_bench's apart, on the same engines. Each length
 runs twice untimed first (compilation, prefix-cache pages), then --reps timed runs; the fastest
 counts. On the CPU the figures mean little (programs run inside their calls): run it on a GPU.
 """
@@ -37,11 +40,12 @@ sys.path.insert(0, REPO)
 ASSETS = os.path.join(REPO, "specjax", "assets")
 
 
-def prompt_ids(llm, n: int) -> list[list[int]]:
+def prompt_ids(llm, n: int, sets=("mt_bench", "sum"), max_chars: int = 1500) -> list[list[int]]:
+    """n prompts, an equal share from each set, each cut to max_chars characters (0: whole), chat template on."""
     texts = []
-    for name in ("mt_bench", "sum"):
+    for name in sets:
         with open(os.path.join(ASSETS, "prompts", f"{name}.jsonl")) as fh:
-            texts += [json.loads(line)["turns"][0][:1500] for line in list(fh)[: (n + 1) // 2]]
+            texts += [json.loads(line)["turns"][0][: max_chars or None] for line in list(fh)[: -(-n // len(sets))]]
     chat = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts[:n]]
     return [llm.tokenizer.encode(c, add_special_tokens=False) for c in chat]
 
@@ -107,6 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-steps-per-call", type=int, default=4)
     ap.add_argument("--admit-ahead", choices=("on", "off", "both"), default="on",
                     help="admission ahead on, off, or both in turn on the same engine")
+    ap.add_argument("--sets", default="mt_bench,sum",
+                    help="prompt sets of specjax/assets/prompts; 'a,b' mixes them, 'a;b' probes each on its own")
+    ap.add_argument("--max-chars", type=int, default=1500, help="cut each prompt to this many characters (0: whole)")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     lengths = tuple(int(x) for x in a.lengths.split(","))
@@ -121,12 +128,17 @@ def main(argv=None) -> int:
     out = {}
     settings = {"on": (True,), "off": (False,), "both": (True, False)}[a.admit_ahead]
 
+    groups = [tuple(g.split(",")) for g in a.sets.split(";")]
+
     def probe_settings(label, llm):
-        ids = prompt_ids(llm, a.prompts)
-        for ahead in settings:
-            llm.engine.opts = dataclasses.replace(llm.engine.opts, admit_ahead=ahead)
-            name = label if ahead else f"{label}-noahead"
-            out[name] = probe(name, llm, ids, lengths, a.reps)
+        for sets in groups:
+            ids = prompt_ids(llm, a.prompts, sets, a.max_chars)
+            print(f"{label}: {len(ids)} prompts of {'+'.join(sets)}, {sum(map(len, ids)) / len(ids):.0f} tokens "
+                  "on average", flush=True)
+            for ahead in settings:
+                llm.engine.opts = dataclasses.replace(llm.engine.opts, admit_ahead=ahead)
+                name = (label if ahead else f"{label}-noahead") + ("" if len(groups) == 1 else "-" + "+".join(sets))
+                out[name] = probe(name, llm, ids, lengths, a.reps)
     if not a.no_plain:
         probe_settings("plain", LLM(max_batch=1))
     if not a.no_spec:

@@ -6,6 +6,7 @@
     python scripts/profile_step.py --draft none             # plain decoding
     python scripts/profile_step.py --draft DIR --num-steps 5 --topk 4 --num-draft-tokens 16 --batch 1,32
     python scripts/profile_step.py --dtype float32 --max-tokens 16 --draft none   # CPU smoke run
+    python scripts/profile_step.py --prompt-set sum --module-re prefill   # the prefill of long prompts
 
 Prints per batch: kernels per step, device µs per step, and the top scopes (count / µs per step).
 The µs are sums of kernel durations: XLA launches its GEMM fusions with programmatic dependent launch
@@ -45,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 
 from specjax import LLM, SamplingParams  # noqa: E402
-from specjax.assets import DEFAULT_HEAD_DIR  # noqa: E402
+from specjax.assets import DEFAULT_HEAD_DIR, PROMPTS_DIR  # noqa: E402
 from specjax.kernels import DRAFT_TOPK_CHOICES  # noqa: E402
 from specjax.tree import SpecConfig  # noqa: E402
 
@@ -118,10 +119,18 @@ def kernel_events(trace_dir: str):
     return [e[1:] for e in evs if e[0] == device], device
 
 
-def run(llm, batch, max_tokens, temperature, depth, module_re, top, smap_cache, ops=0):
-    prompts = [llm.apply_chat_template([{"role": "user", "content": f"Write a long story about a {t}."}])
-               for t in (["lighthouse", "river", "clock", "garden", "train", "mountain", "violin", "desert"]
-                         * (batch // 8 + 1))[:batch]]
+def set_prompts(name: str, n: int) -> list[str]:
+    """The first turns of the first n prompts of specjax/assets/prompts/{name}.jsonl, repeated to n."""
+    with open(PROMPTS_DIR / f"{name}.jsonl") as fh:
+        texts = [json.loads(line)["turns"][0] for line in fh]
+    return (texts * (n // len(texts) + 1))[:n]
+
+
+def run(llm, batch, max_tokens, temperature, depth, module_re, top, smap_cache, ops=0, prompt_set=None):
+    texts = (set_prompts(prompt_set, batch) if prompt_set else
+             [f"Write a long story about a {t}." for t in (["lighthouse", "river", "clock", "garden", "train",
+                                                            "mountain", "violin", "desert"] * (batch // 8 + 1))[:batch]])
+    prompts = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=0)
     for _ in range(2):
         llm.generate(prompts, params)
@@ -158,8 +167,9 @@ def run(llm, batch, max_tokens, temperature, depth, module_re, top, smap_cache, 
     total_t = sum(v[1] for v in by_scope.values())
     per = max(nsteps, 1)
     events = "GPU kernels" if on_device else "CPU ops"
-    print(f"\n== batch {batch}, temperature {temperature}: {nsteps} decode steps ({steps}); device events: {events}",
-          flush=True)
+    print(f"\n== batch {batch}, temperature {temperature}: {nsteps} decode steps ({steps}); device events: {events}; "
+          f"prompts of {sum(len(llm.tokenizer.encode(p, add_special_tokens=False)) for p in prompts) / batch:.0f} "
+          "tokens on average", flush=True)
     print("modules (events, ms):", {m: (n, round(t / 1e6, 2)) for m, (n, t) in
                                     sorted(by_module.items(), key=lambda kv: -kv[1][1])[:8]})
     print(f"selected (--module-re {module_re!r}): {total_n / per:.1f} kernels / step, "
@@ -197,6 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--ops", type=int, default=0, help="also print the N costliest instructions (op_name, kernel)")
     p.add_argument("--module-re", default=r"^(?!.*prefill)")
+    p.add_argument("--prompt-set", help="prompts from specjax/assets/prompts/NAME.jsonl (e.g. sum: long ones) "
+                   "instead of the short story requests")
     p.add_argument("--json")
     p.add_argument("--no-dump", action="store_true", help="(read before jax starts) leave XLA_FLAGS alone")
     p.add_argument("--keep-command-buffers", action="store_true",
@@ -219,7 +231,7 @@ def main(argv=None) -> int:
     print("attention:", llm.engine.attention_choice)
     smap, rows = {}, []
     for b in batches:
-        rows.append(run(llm, b, a.max_tokens, a.temperature, a.depth, a.module_re, a.top, smap, a.ops))
+        rows.append(run(llm, b, a.max_tokens, a.temperature, a.depth, a.module_re, a.top, smap, a.ops, a.prompt_set))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
