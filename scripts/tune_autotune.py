@@ -2,12 +2,14 @@
 fastest kept (GPU).
 
 XLA's GEMM autotuner times each candidate tiling of a GEMM fusion alone and keeps the fastest; for the small
-GEMMs of a batch-1 step (SmolLM2: 2.5-6 µs each) candidates whose times lie close in isolation differ inside
-the program, so two compilations of the same program run at different speeds. Measured on H100s
-(docs/benchmarks.md, "The GEMM autotuner's picks"): the verify's gate|up GEMM took 4.58 or 6.0 µs per call
-and its down GEMM 3.14 or 3.65 µs in profiles of the same code, up to ~45 µs of a ~1 340 µs fused step. With
-the persistent compilation cache on (specjax.compile_cache), XLA keeps its picks per fusion in
-`<cache>/xla_gpu_per_fusion_autotune_cache_dir`, so a machine keeps the first pick it made, good or bad.
+GEMMs of a batch-1 step (SmolLM2: 2.5-6 µs each) candidates whose times lie close in isolation might differ
+inside the program. Profiles of the same code on H100s had suggested so (the verify's gate|up GEMM 4.58 or
+6.0 µs per call, its down GEMM 3.14 or 3.65 µs), but profile times are attributions under programmatic
+dependent launch; measured as this script measures (docs/benchmarks.md, "GEMM picks and long prompts"), three
+fresh compilations of the speculative engine ran 1 263.9-1 269.4 µs of wall per fused step and two of plain
+decoding 960.8-964.6 µs per step: a spread of 0.4 %, not the profiles' 3 %. With the persistent compilation
+cache on (specjax.compile_cache), XLA keeps its picks per fusion in `<cache>/xla_gpu_per_fusion_autotune_cache_dir`,
+so a machine keeps the first picks it made.
 
 This script compiles the engine `--trials` times, each in a process of its own with an empty cache directory
 (every GEMM autotuned afresh), times its steady state (`LLM.generate` of `--prompts` short prompts at batch 1,
@@ -20,7 +22,8 @@ per engine (`--engine plain`, `--engine spec`): their step programs have GEMM fu
     python3 scripts/tune_autotune.py --engine spec --trials 4 [--install]
     python3 scripts/tune_autotune.py --engine plain --trials 4 [--install]
 
-On a CPU XLA writes no autotune results: the trials run and are timed, nothing is installed.
+On a CPU XLA writes no autotune results: the trials run and are timed, nothing is installed. (`--install` is
+tested on the CPU with nested result files; on a GPU its first version found none: XLA nests them.)
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ def child(a) -> int:
         steps = sum(s1[k] - s0[k] for k in s1 if k.endswith("_dispatch_steps"))
         if steps and (best is None or wall / steps < best["us_per_step"] / 1e6):
             best = {"us_per_step": wall / steps * 1e6, "wall_s": wall, "steps": steps}
-    files = sorted(p.name for p in (Path(a.cache_dir) / AUTOTUNE_DIR).glob("*")) if a.cache_dir else []
+    files = [p for p in (Path(a.cache_dir) / AUTOTUNE_DIR).rglob("*") if p.is_file()] if a.cache_dir else []
     Path(a.out).write_text(json.dumps({**(best or {}), "compile_s": compile_s, "autotune_files": len(files),
                                        "device": jax.devices()[0].device_kind}))
     return 0
@@ -79,16 +82,18 @@ def pick(results: list[dict]) -> int | None:
 
 
 def install(trial_dir: Path, cache_dir: Path) -> tuple[int, int]:
-    """Copy the trial's autotune results into cache_dir's (same names replaced) and remove the compiled
-    executables of cache_dir (files outside the autotune directory). -> (files copied, files removed)."""
+    """Copy the trial's autotune results (files at any depth of its autotune directory: XLA nests them) into
+    cache_dir's, same paths replaced, and remove the compiled executables of cache_dir (the files beside the
+    autotune directory). -> (files copied, files removed)."""
     src = trial_dir / AUTOTUNE_DIR
     dst = cache_dir / AUTOTUNE_DIR
-    files = sorted(p for p in src.glob("*") if p.is_file()) if src.is_dir() else []
+    files = sorted(p for p in src.rglob("*") if p.is_file()) if src.is_dir() else []
     if not files:
         return 0, 0
-    dst.mkdir(parents=True, exist_ok=True)
     for p in files:
-        shutil.copy2(p, dst / p.name)
+        out = dst / p.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(p, out)
     removed = 0
     for p in cache_dir.iterdir():
         if p.is_file():

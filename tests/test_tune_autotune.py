@@ -23,17 +23,17 @@ def test_pick_takes_the_fastest_trial_that_ran():
 def test_install_copies_the_picks_and_drops_stale_executables(tmp_path):
     mod = _load()
     trial, cache = tmp_path / "trial1", tmp_path / "cache"
-    (trial / mod.AUTOTUNE_DIR).mkdir(parents=True)
-    (trial / mod.AUTOTUNE_DIR / "fusion_a").write_text("new a")
-    (trial / mod.AUTOTUNE_DIR / "fusion_b").write_text("new b")
-    (cache / mod.AUTOTUNE_DIR).mkdir(parents=True)
-    (cache / mod.AUTOTUNE_DIR / "fusion_a").write_text("old a")
-    (cache / mod.AUTOTUNE_DIR / "fusion_c").write_text("old c")  # another program's fusion: kept
+    (trial / mod.AUTOTUNE_DIR / "v1").mkdir(parents=True)  # XLA nests its results in a directory
+    (trial / mod.AUTOTUNE_DIR / "v1" / "fusion_a").write_text("new a")
+    (trial / mod.AUTOTUNE_DIR / "v1" / "fusion_b").write_text("new b")
+    (cache / mod.AUTOTUNE_DIR / "v1").mkdir(parents=True)
+    (cache / mod.AUTOTUNE_DIR / "v1" / "fusion_a").write_text("old a")
+    (cache / mod.AUTOTUNE_DIR / "v1" / "fusion_c").write_text("old c")  # another program's fusion: kept
     for name in ("jit_fused-1-cache", "jit_fused-1-atime", "jit_prefill-2-cache"):
         (cache / name).write_text("executable")
     copied, removed = mod.install(trial, cache)
     assert (copied, removed) == (2, 3)
-    tuned = {p.name: p.read_text() for p in (cache / mod.AUTOTUNE_DIR).iterdir()}
+    tuned = {p.name: p.read_text() for p in (cache / mod.AUTOTUNE_DIR / "v1").iterdir()}
     assert tuned == {"fusion_a": "new a", "fusion_b": "new b", "fusion_c": "old c"}
     assert [p.name for p in cache.iterdir()] == [mod.AUTOTUNE_DIR]
 
