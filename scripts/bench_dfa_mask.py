@@ -291,8 +291,7 @@ def bench_program(a, batches):
         t = random_tables(M, cfg.vocab_size, a.states, a.classes, permissive=True)
         eng.state = dataclasses.replace(eng.state, dfa=eng._commit(t))
         st0 = eng.state
-        snap = jax.tree.map(jnp.copy, (st0.cache.seq_lens, st0.draft_seq_lens, st0.tree_tokens, st0.tree_parents,
-                                       st0.tree_depth, st0.dfa))
+        snap = jax.tree.map(jnp.copy, (st0.cache.seq_lens, st0.draft_seq_lens, st0.tree, st0.dfa))
         stop = prog.no_stop(len(slots))
         tw, dw = eng.weights, eng.draft_weights
         fused = eng.spec_steps.step.__wrapped__
@@ -306,10 +305,9 @@ def bench_program(a, batches):
 
         def rewind(tables=True):  # tables False: the state without DFA tables
             s = eng.state
-            sl, dsl, tt, tp, td, dfa = jax.tree.map(jnp.copy, snap)  # (the state's arrays are donated)
+            sl, dsl, tree, dfa = jax.tree.map(jnp.copy, snap)  # (the state's arrays are donated)
             eng.state = dataclasses.replace(s, cache=dataclasses.replace(s.cache, seq_lens=sl), draft_seq_lens=dsl,
-                                            tree_tokens=tt, tree_parents=tp, tree_depth=td,
-                                            dfa=dfa if tables else None)
+                                            tree=tree, dfa=dfa if tables else None)
             return ()
 
         def call(step, dfa):

@@ -51,7 +51,7 @@ def plain_steps(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state: Spec
                               dfa=state.dfa)
     outs, view = decode.decode_many(tgd, tp, view, slots, active, samp, num_steps, want_logprobs=want_logprobs,
                                     stochastic=stochastic, dfa=dfa)  # fields [K, B, ...]
-    state = dataclasses.replace(state, cache=view.cache, tree_tokens=state.tree_tokens.at[:, 0].set(view.last_tokens),
+    state = dataclasses.replace(state, cache=view.cache, tree=state.tree.at[:, 0, 0].set(view.last_tokens),
                                 penalties=view.penalties, dfa=view.dfa)
     on = active[None, :]  # [1, B]
     one = SpecOut(tokens=jnp.where(on, outs.tokens, -1)[..., None],  # [K, B, 1]: the lite steps' layout

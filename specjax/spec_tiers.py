@@ -85,8 +85,7 @@ def narrow(state, spec: SpecConfig, num_nodes: int):
     if N == num_nodes and (spec.is_chain or state.draft_probs is None):
         return state
     probs = state.draft_probs[:, :N] if spec.is_chain and state.draft_probs is not None else None
-    return dataclasses.replace(state, tree_tokens=state.tree_tokens[:, :N], tree_parents=state.tree_parents[:, :N],
-                               tree_depth=state.tree_depth[:, :N], draft_probs=probs)
+    return dataclasses.replace(state, tree=state.tree[:, :, :N], draft_probs=probs)
 
 
 def widen(full, new, spec: SpecConfig, num_nodes: int):
@@ -96,10 +95,8 @@ def widen(full, new, spec: SpecConfig, num_nodes: int):
         return new
     N = spec.num_nodes
 
-    def put(a, b):
-        return jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=1)
+    def put(a, b, axis=1):
+        return jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=axis)
     probs = full.draft_probs if new.draft_probs is None else put(full.draft_probs, new.draft_probs)
     assert new.tree_tokens.shape[1] == N, (new.tree_tokens.shape, N)
-    return dataclasses.replace(new, tree_tokens=put(full.tree_tokens, new.tree_tokens),
-                               tree_parents=put(full.tree_parents, new.tree_parents),
-                               tree_depth=put(full.tree_depth, new.tree_depth), draft_probs=probs)
+    return dataclasses.replace(new, tree=put(full.tree, new.tree, axis=2), draft_probs=probs)

@@ -66,6 +66,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from flax import nnx
 
 from pallas_kernels.kv_compact import kv_compact
@@ -87,9 +88,8 @@ class SpecState:
     cache: KVCache  # target cache; its page_table is shared with the draft
     draft_kv: list  # per draft layer [num_pages, page_size, 2, Hkv_d, D_d]
     draft_seq_lens: jax.Array  # [max_slots] int32: Ld = L + 1 - shift
-    tree_tokens: jax.Array  # [max_slots, N] int32 the next tree to verify; node 0 = root
-    tree_parents: jax.Array  # [max_slots, N] int32
-    tree_depth: jax.Array  # [max_slots, N] int32
+    tree: jax.Array  # [max_slots, 3, N] int32 the next tree to verify: its tokens (node 0 = root), parents and
+    #                  depths (one array: one write per step; tree_tokens / tree_parents / tree_depth view it)
     draft_probs: jax.Array | None  # [max_slots, N, V] float32: proposal of each chain node (sampling)
     penalties: PenaltyState | None = None  # None: no penalties (compiled out)
     history: jax.Array | None = None  # [max_slots, W] int32 tokens x_0 .. x_L (n-gram drafter only)
@@ -97,6 +97,23 @@ class SpecState:
     done: jax.Array | None = None  # [max_slots] bool: the slot's request finished on the device (a stop id or
     #                                its length limit in a multi-step dispatch; cleared by its prefill), so
     #                                later dispatches leave it alone (specjax.programs, row hand-over)
+
+    @property
+    def tree_tokens(self):  # [max_slots, N]
+        return self.tree[:, 0]
+
+    @property
+    def tree_parents(self):  # [max_slots, N]
+        return self.tree[:, 1]
+
+    @property
+    def tree_depth(self):  # [max_slots, N]
+        return self.tree[:, 2]
+
+
+def tree_rows(tree) -> jax.Array:
+    """A Tree's tokens, parents and depths as SpecState.tree rows [B, 3, N] int32."""
+    return jnp.stack([tree.tokens, tree.parents, tree.depth], axis=1).astype(jnp.int32)
 
 
 @jax.tree_util.register_dataclass
@@ -128,8 +145,7 @@ def init_spec_state(cache: KVCache, draft_kv: list, spec: SpecConfig, vocab_size
     with_history = is_ngram or any(s.ngram_branch > 0 for s in specs)  # a tier without a branch appends too
     history = ngram.init_history(S, cache.pages_per_slot * cache.page_size) if with_history else None
     return SpecState(cache=cache, draft_kv=list(draft_kv), draft_seq_lens=jnp.zeros((S,), jnp.int32),
-                     tree_tokens=jnp.zeros((S, N), jnp.int32), tree_parents=jnp.full((S, N), -1, jnp.int32),
-                     tree_depth=jnp.zeros((S, N), jnp.int32), draft_probs=probs, penalties=penalties,
+                     tree=jnp.zeros((S, 3, N), jnp.int32).at[:, 1].set(-1), draft_probs=probs, penalties=penalties,
                      history=history, done=jnp.zeros((S,), bool))
 
 
@@ -172,16 +188,31 @@ def merge_models(tgd, tp, dgd, dp):
     return nnx.merge(tgd, tp), merge_draft(dgd, dp)
 
 
+def set_rows(arr, rows, val):
+    """arr.at[rows].set(val, mode="drop") (rows [B] int32; rows out of range are dropped, negative ones count
+    from the end). One row: a dynamic update of the clamped row with the old row kept where the index is out
+    of range, elementwise: XLA turns a one-row scatter into an update whose bounds check is a reduction kernel
+    of its own (the batch-1 fused step on a GPU: one kernel per step for the tree's rows)."""
+    if rows.shape[0] != 1:
+        return arr.at[rows].set(val, mode="drop")
+    n = arr.shape[0]
+    i = rows[0].astype(jnp.int32)
+    i = jnp.where(i < 0, i + n, i)
+    ok = (i >= 0) & (i < n)
+    j = jnp.clip(i, 0, n - 1)
+    new = jnp.broadcast_to(jnp.asarray(val, arr.dtype), (1,) + arr.shape[1:])[0]
+    return lax.dynamic_update_index_in_dim(arr, jnp.where(ok, new, lax.dynamic_index_in_dim(arr, j, keepdims=False)),
+                                           j, 0)
+
+
 def store_slots(state: SpecState, upd, tree, probs, draft_kv, draft_seq_lens, cache, penalties=None, history=None,
            dfa=None):
     """Write the per-slot results of rows `upd` (out-of-range rows dropped); penalties / history / dfa:
     the new penalty state / token history / DFA tables (None: keep the state's)."""
     def put(arr, val):
-        return arr.at[upd].set(val, mode="drop")
+        return set_rows(arr, upd, val)
     return SpecState(cache=cache, draft_kv=draft_kv, draft_seq_lens=draft_seq_lens,
-                     tree_tokens=put(state.tree_tokens, tree.tokens),
-                     tree_parents=put(state.tree_parents, tree.parents),
-                     tree_depth=put(state.tree_depth, tree.depth),
+                     tree=put(state.tree, tree_rows(tree)),
                      draft_probs=None if state.draft_probs is None else put(
                          state.draft_probs, probs if probs is not None else 0.0),
                      penalties=state.penalties if penalties is None else penalties,

@@ -45,8 +45,7 @@ ROOT_ONLY = TreeShape(num_nodes=1, num_steps=0, is_chain=True)  # the lite step'
 def root_view(state: SpecState) -> SpecState:
     """The state seen by a step over the stored trees' roots only (ROOT_ONLY): node 0 of each tree,
     no draft proposals."""
-    return dataclasses.replace(state, tree_tokens=state.tree_tokens[:, :1], tree_parents=state.tree_parents[:, :1],
-                               tree_depth=state.tree_depth[:, :1], draft_probs=None)
+    return dataclasses.replace(state, tree=state.tree[:, :, :1], draft_probs=None)
 
 
 def _widen(out: SpecOut, width: int) -> SpecOut:
@@ -96,7 +95,7 @@ def spec_lite_target(info: DraftInfo, spec: SpecConfig, tgd, tp, dgd, dp, state:
     new = commit_target(state, acc, slots, active)
     _, active = live_rows(state, slots, active)
     upd = jnp.where(active, slots, state.cache.seq_lens.shape[0])
-    new = dataclasses.replace(new, tree_tokens=new.tree_tokens.at[upd, 0].set(acc.bonus, mode="drop"))
+    new = dataclasses.replace(new, tree=new.tree.at[upd, 0, 0].set(acc.bonus, mode="drop"))
     root = (ver.h if info.method == "eagle" else None, tuple(ver.aux) if info.method == "eagle3" else None)
     return acc.out, new, root  # one node: the root is the accepted node (no gather)
 

@@ -371,11 +371,14 @@ def greedy_accept(tree: Tree, target_argmax):
     # always a prefix of the walk's (greedy_accept_walk): every accepted token is the target's choice
     # and no -1 lies within num_accepted
     at = reached[:, None, :] & (tree.depth[:, None, :] == jnp.arange(max_depth + 1, dtype=jnp.int32)[None, :, None])
-    first = jnp.where(jnp.any(at, axis=2), jnp.argmax(at, axis=2).astype(jnp.int32), -1).at[:, 0].set(0)  # [B, D + 1]
+    # column 0 (the root) set by a select, not `.at[:, 0].set`: XLA turns that scatter into an update whose bounds
+    # check is a reduction kernel of its own (one per fused step on a GPU)
+    col0 = jnp.arange(max_depth + 1, dtype=jnp.int32)[None, :] == 0  # [1, D + 1]
+    first = jnp.where(col0, 0, jnp.where(jnp.any(at, axis=2), jnp.argmax(at, axis=2).astype(jnp.int32), -1))  # [B, D + 1]
     safe = jnp.maximum(first, 0)
     prev = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), first[:, :-1]], axis=1)
     linked = (first >= 0) & (jnp.take_along_axis(par, safe, axis=1) == prev) & jnp.take_along_axis(taken, safe, axis=1)
-    linked = linked.at[:, 0].set(True)  # the root
+    linked = linked | col0  # the root
     ok = jnp.cumprod(linked.astype(jnp.int32), axis=1)  # [B, D + 1]
     count = jnp.sum(ok, axis=1, dtype=jnp.int32)
     accept_idx = jnp.where(ok > 0, first, -1)
