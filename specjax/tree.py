@@ -14,6 +14,9 @@ Conventions
 * Positions: the KV cache holds ``seq_len`` tokens *not* including the root. The root is
   fed to the target together with the draft nodes at position ``seq_len``, so a node at
   depth ``d`` sits at position ``seq_len + d`` (see :func:`positions`).
+* Gathers along a tree (parents, kept candidates, accepted nodes) take indices that are in range by
+  construction (-1s clamped to 0 first) with ``mode="clip"``: jnp's default fill adds bounds-check
+  selects, and they cost the batch-1 fused step a kernel (scripts/count_step_kernels.py, H100).
 
 EAGLE-2 growth (``topk = k``, ``num_steps = S``)
 ------------------------------------------------
@@ -194,7 +197,7 @@ def _ancestor_mask(parents, max_depth: int):
     anc = parents
     for _ in range(max_depth):
         mask = mask | (anc[:, :, None] == idx[None, None, :])  # anc == -1 matches nothing
-        anc = jnp.where(anc >= 0, jnp.take_along_axis(parents, jnp.maximum(anc, 0), axis=1), -1)
+        anc = jnp.where(anc >= 0, jnp.take_along_axis(parents, jnp.maximum(anc, 0), axis=1, mode="clip"), -1)
     return mask
 
 
@@ -227,7 +230,7 @@ def select_tree(root_tokens, step_tokens, step_scores, step_parents, num_draft_t
             gp = jnp.full(sc.shape, -1, jnp.int32)
         else:
             lp = step_parents[s].astype(jnp.int32)
-            eff = jnp.minimum(sc, jnp.take_along_axis(eff_steps[-1], lp, axis=1))
+            eff = jnp.minimum(sc, jnp.take_along_axis(eff_steps[-1], lp, axis=1, mode="clip"))
             gp = lp + offsets[s - 1]
         eff_steps.append(eff)
         gparents.append(gp)
@@ -250,14 +253,14 @@ def select_tree(root_tokens, step_tokens, step_scores, step_parents, num_draft_t
     keep = jnp.sum(jnp.where(node_of[:, None, :] == nodes[None, :, None], idx[None, None, :], 0), axis=2,
                    dtype=jnp.int32)  # [B, M] the candidate of each node
 
-    cpar = jnp.take_along_axis(gpar, keep, axis=1)  # [B, M]
-    npar = jnp.where(cpar < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(cpar, 0), axis=1))
+    cpar = jnp.take_along_axis(gpar, keep, axis=1, mode="clip")  # [B, M]
+    npar = jnp.where(cpar < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(cpar, 0), axis=1, mode="clip"))
 
     tokens = jnp.concatenate([root_tokens.astype(jnp.int32)[:, None],
-                              jnp.take_along_axis(toks, keep, axis=1)], axis=1)
+                              jnp.take_along_axis(toks, keep, axis=1, mode="clip")], axis=1)
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), npar], axis=1)
     depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
-                             jnp.take_along_axis(dep, keep, axis=1)], axis=1)
+                             jnp.take_along_axis(dep, keep, axis=1, mode="clip")], axis=1)
     return Tree(tokens=tokens, parents=parents, depth=depth,
                 mask=_ancestor_mask(parents, num_steps), max_depth=num_steps)
 
@@ -287,7 +290,7 @@ def merge_branch(tree: Tree, branch) -> Tree:
     L, D = branch.shape[1], tree.max_depth
     g = branch.astype(jnp.int32)  # [B, L]
     d = tree.depth  # [B, N]
-    at = jnp.take_along_axis(g, jnp.clip(d - 1, 0, L - 1), axis=1)  # [B, N] the branch's token at the node's depth
+    at = jnp.take_along_axis(g, jnp.clip(d - 1, 0, L - 1), axis=1, mode="clip")  # [B, N] branch token at its depth
     eq = (d == 0) | ((d <= L) & (tree.tokens == at))
     on = jnp.all(~tree.mask | eq[:, None, :], axis=2) & (d >= 1)  # [B, N] the node's path is a branch prefix
     i = jnp.arange(L, dtype=jnp.int32)[None, :]  # [1, L]
@@ -296,7 +299,7 @@ def merge_branch(tree: Tree, branch) -> Tree:
     node = jnp.argmax(lvl, axis=2).astype(jnp.int32)  # [B, L] the tree node reached at depth i + 1
     m = jnp.sum(found, axis=1, keepdims=True)  # [B, 1] branch tokens the tree already has
     prev = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), node[:, :-1]], axis=1)  # [B, L] the node before i
-    leave = jnp.take_along_axis(prev, jnp.minimum(m, L - 1), axis=1)  # [B, 1] where the branch leaves the tree
+    leave = jnp.take_along_axis(prev, jnp.minimum(m, L - 1), axis=1, mode="clip")  # [B, 1] where the branch leaves
     fits = (i < m) | (i + 1 <= D)  # [B, L] on the tree, or new and not too deep
     chain = fits & (i >= m)  # new nodes: a chain under `leave`
     toks = jnp.where(fits, g, tree.tokens[:, 1:2])
@@ -304,7 +307,7 @@ def merge_branch(tree: Tree, branch) -> Tree:
     deps = jnp.where(fits, i + 1, 1)
     anchor = jnp.where(chain, leave, jnp.where(fits, prev, 0))  # [B, L] the tree node above the chain
     lo = jnp.where(chain, m, i)  # [B, L] the chain's first branch node
-    upper = jnp.take_along_axis(tree.mask, anchor[:, :, None], axis=1)  # [B, L, N]
+    upper = jnp.take_along_axis(tree.mask, anchor[:, :, None], axis=1, mode="clip")  # [B, L, N]
     j = i[:, None, :]  # [1, 1, L] branch node columns
     own = (j >= lo[:, :, None]) & (j <= i[:, :, None])  # [B, L, L]
     mask = jnp.concatenate([jnp.concatenate([tree.mask, jnp.zeros((b, n, L), bool)], axis=2),
@@ -360,7 +363,7 @@ def greedy_accept(tree: Tree, target_argmax):
     t = target_argmax.astype(jnp.int32)
     par = tree.parents
     idx = jnp.arange(n, dtype=jnp.int32)
-    good = (par >= 0) & (tree.tokens == jnp.take_along_axis(t, jnp.maximum(par, 0), axis=1))  # [B, N]
+    good = (par >= 0) & (tree.tokens == jnp.take_along_axis(t, jnp.maximum(par, 0), axis=1, mode="clip"))  # [B, N]
     sibling_before = (par[:, None, :] == par[:, :, None]) & (idx[None, None, :] < idx[None, :, None])  # [B, N, N]
     shadowed = jnp.any(good[:, None, :] & sibling_before, axis=2)  # a lower-index sibling matches: the walk takes it
     taken = (good & ~shadowed) | (idx == 0)[None, :]  # the root counts as taken
@@ -377,13 +380,14 @@ def greedy_accept(tree: Tree, target_argmax):
     first = jnp.where(col0, 0, jnp.where(jnp.any(at, axis=2), jnp.argmax(at, axis=2).astype(jnp.int32), -1))  # [B, D + 1]
     safe = jnp.maximum(first, 0)
     prev = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), first[:, :-1]], axis=1)
-    linked = (first >= 0) & (jnp.take_along_axis(par, safe, axis=1) == prev) & jnp.take_along_axis(taken, safe, axis=1)
+    linked = ((first >= 0) & (jnp.take_along_axis(par, safe, axis=1, mode="clip") == prev)
+              & jnp.take_along_axis(taken, safe, axis=1, mode="clip"))
     linked = linked | col0  # the root
     ok = jnp.cumprod(linked.astype(jnp.int32), axis=1)  # [B, D + 1]
     count = jnp.sum(ok, axis=1, dtype=jnp.int32)
     accept_idx = jnp.where(ok > 0, first, -1)
-    cur = jnp.take_along_axis(accept_idx, (count - 1)[:, None], axis=1)[:, 0]
-    bonus = jnp.take_along_axis(t, cur[:, None], axis=1)[:, 0]
+    cur = jnp.take_along_axis(accept_idx, (count - 1)[:, None], axis=1, mode="clip")[:, 0]
+    bonus = jnp.take_along_axis(t, cur[:, None], axis=1, mode="clip")[:, 0]
     return accept_idx, count, bonus
 
 
@@ -419,7 +423,7 @@ def accepted_tokens(tree: Tree, accept_idx, num_accepted, bonus_token):
     """
     b, w = accept_idx.shape
     nxt = accept_idx[:, 1:]  # [B, w-1]
-    drafted = jnp.where(nxt >= 0, jnp.take_along_axis(tree.tokens, jnp.maximum(nxt, 0), axis=1), -1)
+    drafted = jnp.where(nxt >= 0, jnp.take_along_axis(tree.tokens, jnp.maximum(nxt, 0), axis=1, mode="clip"), -1)
     out = jnp.concatenate([drafted, jnp.full((b, 1), -1, jnp.int32)], axis=1)
     col = jnp.arange(w, dtype=jnp.int32)[None, :]
     return jnp.where(col == (num_accepted - 1)[:, None], bonus_token.astype(jnp.int32)[:, None], out)
